@@ -1,0 +1,130 @@
+"""Structured (dataclass) schemas for every config group: a typo or a wrong type fails at compose time.
+
+Config never reaches model code: entry points read these and call builders with flat, typed parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class TargetConfig:
+    name: str = "smollm2-135m-instruct"  # built-in name, hub id, or a label when `path` is given
+    path: Optional[str] = None  # local model directory or .gguf file
+    layer_ids: Optional[list[int]] = None  # hidden states entering these decoder layers; None = (2, L//2, L-3)
+    dtype: str = "float32"
+
+
+@dataclass
+class DraftConfig:
+    family: str = "peagle"  # peagle | eagle3 | medusa | dspark | dflash
+    k: int = 5  # draft tokens per round (K for P-EAGLE, gamma for DSpark)
+    num_layers: int = 1  # decoder layers in the draft head
+    parallel: bool = True  # P-EAGLE parallel drafting; false = autoregressive EAGLE-3 chain
+    draft_vocab_size: Optional[int] = None  # top-N tokens of the training data; None = full target vocab
+    share_embedding: bool = True  # reuse (frozen) target embedding
+    share_lm_head: bool = True  # reuse (frozen) target LM head when the draft vocab is the full vocab
+    init_from: Optional[str] = None  # an existing draft checkpoint directory (fine-tuning)
+    extra: dict[str, Any] = field(default_factory=dict)  # family-specific knobs
+
+
+@dataclass
+class DataConfig:
+    source: str = "sharegpt"  # sharegpt | chat_jsonl | prompt_jsonl | text_dir | humaneval
+    path: Optional[str] = None  # None = the packaged copy (sharegpt, humaneval)
+    max_records: int = 64  # conversations to read (after skipping malformed ones)
+    skip_records: int = 0  # records to skip first (e.g. to hold out a split)
+    max_length: int = 1024  # tokens per sequence
+    overlong: str = "truncate"  # truncate | skip
+    regenerate: bool = True  # re-generate assistant turns with the target
+    regen_max_new: int = 128  # new tokens per regenerated turn
+    regen_turns: int = 1  # assistant turns regenerated per conversation (later turns are dropped)
+    regen_batch_size: int = 8
+    regen_temperature: float = 0.0
+    features: bool = True  # extract offline features (hidden states) to safetensors shards
+    shard_tokens: int = 16384  # tokens per feature shard
+    holdout_records: int = 0  # records kept out of training for validation
+
+
+@dataclass
+class TemperatureConfig:
+    start: float = 1.0
+    end: float = 1.0
+    schedule: str = "constant"  # constant | linear | cosine | exp
+    steps: Optional[int] = None  # None = the stage's steps
+
+
+@dataclass
+class TrainConfig:
+    stages: list[str] = field(default_factory=lambda: ["soft_label"])  # soft_label, rl
+    steps: int = 200
+    rl_steps: int = 50
+    batch_size: int = 4
+    grad_accum: int = 1
+    lr: float = 3e-4
+    rl_lr: float = 5e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"  # no | bf16
+    loss: str = "fkl"  # fkl | rkl | tv | lk (KL+TV mix) ; CE added with ce_weight
+    ce_weight: float = 0.1
+    position_weighting: str = "exp"  # none | exp  (exp(-(k-1)/gamma))
+    cod_decay: float = 0.7  # COD sampling: depth d keeps ~ n * decay**d positions
+    temperature: TemperatureConfig = field(default_factory=TemperatureConfig)
+    rl_kl_weight: float = 0.1  # KL anchor to the stage-1 head
+    checkpoint_every: int = 50
+    log_every: int = 10
+    seed: int = 0
+    resume: bool = True  # resume from the newest checkpoint in the output directory
+    wandb: bool = False
+    wandb_project: str = "draftheads"
+
+
+@dataclass
+class EvalConfig:
+    prompts: str = "../shared/bench/spec_bench_dev.jsonl"
+    categories: Optional[str] = "mt_bench"
+    limit: Optional[int] = 24
+    max_new: int = 64
+    k: list[int] = field(default_factory=lambda: [4, 8])
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    sources: list[str] = field(default_factory=lambda: ["prompt_lookup"])
+
+
+@dataclass
+class RuntimeConfig:
+    device: str = "cpu"
+    threads: int = 2
+
+
+@dataclass
+class AccelerateConfig:
+    config_file: Optional[str] = None  # an accelerate config (DeepSpeed ZeRO / FSDP) for multi-GPU runs
+    num_processes: int = 1
+
+
+@dataclass
+class Config:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    accelerate: AccelerateConfig = field(default_factory=AccelerateConfig)
+    output_dir: str = "outputs/${hydra:job.config_name}"
+    name: str = MISSING
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, node in [("target", TargetConfig), ("draft", DraftConfig), ("data", DataConfig), ("train", TrainConfig),
+                        ("eval", EvalConfig), ("runtime", RuntimeConfig), ("accelerate", AccelerateConfig)]:
+        cs.store(group=group, name=f"base_{group}", node=node)
