@@ -1,0 +1,68 @@
+"""Tokenization with the target's own chat template and an assistant-only loss mask.
+
+loss_mask[t] = 1 means token t is an assistant token (its content and the end-of-turn marker the template puts
+after it): the draft is trained to predict it from tokens < t. The role header (`<|im_start|>assistant\\n` in
+ChatML) is never in the mask: the runtime always emits it from the template, not from a draft.
+Spans are found on the rendered text (render the chat up to each assistant turn with the generation prompt, then
+including the turn), so any template that renders prefixes consistently works; one that does not is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from data.readers import Conversation
+from models.errors import DraftheadsError
+
+
+@dataclass
+class TokenizedChat:
+    input_ids: Tensor  # [T] int64
+    loss_mask: Tensor  # [T] bool
+    truncated: bool = False
+
+
+def assistant_char_spans(tokenizer, conv: Conversation) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered chat and the [start, end) character spans of every assistant turn (content + end marker)."""
+    text = tokenizer.apply_chat_template(conv, tokenize=False)
+    spans = []
+    for i, turn in enumerate(conv):
+        if turn["role"] != "assistant":
+            continue
+        head = tokenizer.apply_chat_template(conv[:i], tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(conv[: i + 1], tokenize=False)
+        if not (text.startswith(head) and text.startswith(upto) and upto.startswith(head)):
+            raise DraftheadsError(
+                "the target's chat template does not render conversation prefixes consistently, so assistant "
+                "spans cannot be located; use a template whose rendering of a prefix is a prefix of the whole"
+            )
+        end = len(upto.rstrip("\n"))  # keep the end-of-turn marker, not the template's trailing newline
+        spans.append((len(head), end))
+    return text, spans
+
+
+def tokenize_chat(tokenizer, conv: Conversation, max_length: int | None = None, overlong: str = "truncate") -> TokenizedChat | None:
+    """Token ids and assistant-only loss mask; None when the chat is over max_length and overlong == "skip"."""
+    text, spans = assistant_char_spans(tokenizer, conv)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = [any(s <= a and b <= e for s, e in spans) and b > a for a, b in offsets]
+    truncated = False
+    if max_length is not None and len(ids) > max_length:
+        if overlong == "skip":
+            return None
+        if overlong != "truncate":
+            raise DraftheadsError(f"data.overlong must be 'truncate' or 'skip', got '{overlong}'")
+        ids, mask, truncated = ids[:max_length], mask[:max_length], True
+    return TokenizedChat(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), truncated)
+
+
+def prompt_ids(tokenizer, conv: Conversation) -> Tensor:
+    """Ids of a chat ending with a user turn, followed by the assistant generation prompt: [T] int64."""
+    ids = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
