@@ -44,9 +44,20 @@ def assistant_char_spans(tokenizer, conv: Conversation) -> tuple[str, list[tuple
     return text, spans
 
 
-def tokenize_chat(tokenizer, conv: Conversation, max_length: int | None = None, overlong: str = "truncate") -> TokenizedChat | None:
-    """Token ids and assistant-only loss mask; None when the chat is over max_length and overlong == "skip"."""
+def tokenize_chat(tokenizer, conv: Conversation, max_length: int | None = None, overlong: str = "truncate",
+                  last_turn_open: bool = False) -> TokenizedChat | None:
+    """Token ids and assistant-only loss mask; None when the chat is over max_length and overlong == "skip".
+
+    last_turn_open: the last assistant turn was cut by a token limit (regeneration), so the sequence ends after its
+    content and no end-of-turn marker is trained where the target would not have put one.
+    """
     text, spans = assistant_char_spans(tokenizer, conv)
+    if last_turn_open and spans:
+        start, _ = spans[-1]
+        content = conv[-1]["content"]
+        if conv[-1]["role"] == "assistant" and text.startswith(content, start):
+            text = text[: start + len(content)]
+            spans[-1] = (start, len(text))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     mask = [any(s <= a and b <= e for s, e in spans) and b > a for a, b in offsets]

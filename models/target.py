@@ -26,6 +26,16 @@ from models.errors import DraftheadsError
 DEFAULT_TARGET = "smollm2-135m-instruct"
 TINY_TARGET = "tiny-random-llama"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+def _cache_kwarg() -> str:
+    """transformers 5.2x renamed the KV-cache argument `past_key_values` to `cache`."""
+    import inspect
+
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+CACHE_KWARG = _cache_kwarg()
 HIDDEN_STATE_CONVENTION = "hidden_states[i] = input of decoder layer i (0 = embeddings); final = LM-head input"
 
 
@@ -132,18 +142,16 @@ class Target:
         compute_logits: bool = True,
     ) -> TargetOutput:
         self._captured.clear()
+        cache_kw = {CACHE_KWARG: past_key_values} if past_key_values is not None else {}
         out = self.model.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache, **cache_kw
         )
         final = self._captured["final"]
         aux = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         logits = self.lm_head(final) if compute_logits else None
         self._captured.clear()
-        return TargetOutput(logits, aux, final, out.past_key_values if use_cache else None)
+        cache = out["cache"] if "cache" in out else out.get("past_key_values")
+        return TargetOutput(logits, aux, final, cache if use_cache else None)
 
     __call__ = forward
 

@@ -1,0 +1,130 @@
+"""Regeneration: assistant turns re-written by the target, so the draft imitates the deployed model.
+
+Batched (prompts sorted by length to cut padding), seeded per batch, written to JSONL as each batch finishes and
+resumed by skipping batches already on disk — a killed run loses at most one batch and, since batches are formed
+the same way every time, the resumed file equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from data.chat import prompt_ids
+from data.readers import Conversation
+from models.target import Target
+
+
+def _user_turns(conv: Conversation, turns: int) -> tuple[list[dict], list[str]]:
+    system = [t for t in conv[:1] if t["role"] == "system"]
+    users = [t["content"] for t in conv if t["role"] == "user"][:turns]
+    return system, users
+
+
+def _read_done(path: Path) -> dict[int, dict]:
+    """Finished records by id; a half-written last line (a kill mid-write) is dropped and rewritten."""
+    done = {}
+    if not path.exists():
+        return done
+    good = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        done[rec["id"]] = rec
+        good.append(line)
+    path.write_text("".join(l + "\n" for l in good), encoding="utf-8")
+    return done
+
+
+@torch.no_grad()
+def regenerate(
+    target: Target,
+    conversations: list[Conversation],
+    out_path: str | Path,
+    max_new: int = 128,
+    turns: int = 1,
+    batch_size: int = 8,
+    temperature: float = 0.0,
+    seed: int = 0,
+    max_prompt_tokens: int = 1024,
+) -> dict:
+    """Write one JSONL record per conversation: {"id", "conversation", "finished": [bool per turn], "new_tokens"}.
+
+    Returns counts and tokens/s. Prompts longer than max_prompt_tokens are skipped and counted.
+    """
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tok = target.tokenizer
+    done = _read_done(out_path)
+    items, skipped_long = [], 0
+    for i, conv in enumerate(conversations):
+        system, users = _user_turns(conv, turns)
+        if not users:
+            continue
+        n_prompt = len(prompt_ids(tok, system + [{"role": "user", "content": users[0]}]))
+        if n_prompt > max_prompt_tokens:
+            skipped_long += 1
+            continue
+        items.append((n_prompt, i, system, users))
+    items.sort(key=lambda x: (x[0], x[1]))
+    batches = [items[j : j + batch_size] for j in range(0, len(items), batch_size)]
+    eos = {tok.eos_token_id, *([target.model.generation_config.eos_token_id] if isinstance(
+        target.model.generation_config.eos_token_id, int) else target.model.generation_config.eos_token_id or [])}
+    new_tokens, t0 = 0, time.perf_counter()
+    with open(out_path, "a", encoding="utf-8") as f:
+        for b, batch in enumerate(tqdm(batches, desc="regenerate", unit="batch")):
+            if all(i in done for _, i, _, _ in batch):
+                continue
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + b)
+            chats = [list(system) for _, _, system, _ in batch]
+            finished = [[] for _ in batch]
+            for turn in range(turns):
+                active = [j for j, (_, _, _, users) in enumerate(batch) if turn < len(users)]
+                if not active:
+                    break
+                for j in active:
+                    chats[j].append({"role": "user", "content": batch[j][3][turn]})
+                texts, n_new = _generate(target, [chats[j] for j in active], max_new, temperature, gen, eos)
+                for j, (text, done_flag) in zip(active, texts):
+                    chats[j].append({"role": "assistant", "content": text})
+                    finished[j].append(done_flag)
+                new_tokens += n_new
+            for j, (_, i, _, _) in enumerate(batch):
+                rec = {"id": i, "conversation": chats[j], "finished": finished[j]}
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.flush()
+    elapsed = time.perf_counter() - t0
+    return {"records": len(items), "skipped_long_prompt": skipped_long, "new_tokens": new_tokens,
+            "seconds": round(elapsed, 2), "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1)}
+
+
+def _generate(target: Target, chats: list[Conversation], max_new: int, temperature: float,
+              gen: torch.Generator, eos: set[int]) -> tuple[list[tuple[str, bool]], int]:
+    """One batched sampling pass (left-padded) with the target's KV cache; returns (text, hit_eos) per chat."""
+    tok = target.tokenizer
+    prompts = [prompt_ids(tok, c) for c in chats]
+    width = max(len(p) for p in prompts)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):], attn[r, width - len(p):] = p, 1
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    out = target.model.generate(
+        input_ids=ids, attention_mask=attn, max_new_tokens=max_new, do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
+        pad_token_id=pad, eos_token_id=sorted(eos),
+    )[:, width:]
+    results, n_new = [], 0
+    for row in out.tolist():
+        cut = next((k for k, t in enumerate(row) if t in eos), None)
+        body = row if cut is None else row[:cut]
+        n_new += len(body) + (cut is not None)
+        results.append((tok.decode(body, skip_special_tokens=True), cut is not None))
+    return results, n_new

@@ -1,0 +1,65 @@
+"""Entry point: `python -m train.distill +experiment=NAME [overrides]`.
+
+One run = resolve the target (fail fast if it is not available) → data stage (read, regenerate, tokenize,
+extract features) → training stages (soft labels, then acceptance-rate RL) → τ table on held-out prompts.
+Every stage resumes from what is already in the run's output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from conf.schema import register_configs
+from models.errors import DraftheadsError
+
+register_configs()
+
+
+def run(cfg: DictConfig) -> dict:
+    from data.prepare import prepare_data
+    from models.target import load_target
+
+    torch.set_num_threads(cfg.runtime.threads)
+    torch.manual_seed(cfg.train.seed)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    target = load_target(cfg.target.name, cfg.target.path, cfg.target.layer_ids, cfg.target.dtype, cfg.runtime.device)
+    print(f"[draftheads] target {target.name}: {target.num_layers} layers, hidden {target.hidden_size}, "
+          f"vocab {target.vocab_size}, features from layers {list(target.layer_ids)}")
+    d = cfg.data
+    report = {"data": prepare_data(
+        target, out / "data", source=d.source, path=d.path, max_records=d.max_records, skip_records=d.skip_records,
+        max_length=d.max_length, overlong=d.overlong, regen=d.regenerate, regen_max_new=d.regen_max_new,
+        regen_turns=d.regen_turns, regen_batch_size=d.regen_batch_size, regen_temperature=d.regen_temperature,
+        features=d.features, shard_tokens=d.shard_tokens, seed=cfg.train.seed)}
+    print("[draftheads] data:", json.dumps(report["data"]))
+    if cfg.train.stages and d.features:
+        from train.trainer import train_draft
+
+        report["head"] = str(train_draft(cfg, target, out / "data" / "features", out))
+    (out / "run_report.json").write_text(json.dumps(report, indent=1))
+    print(f"[draftheads] outputs in {out}/")
+    return report
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except DraftheadsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    main()
