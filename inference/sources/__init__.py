@@ -1,0 +1,76 @@
+"""Draft sources and the registry that builds one from a spec string.
+
+A spec is `NAME` or `NAME:ARG` ("prompt_lookup", "prompt_lookup:max_ngram=4,min_ngram=2",
+"draft_file:PATH", "head:DIR"). Registering a new source is one line: map its name to a factory
+`(arg: str | None, target) -> DraftSource`, either here in SOURCES as a lazy "module:function" string
+(imported only when used, so optional dependencies stay optional) or from the source's own module:
+
+    SOURCES["head"] = "models.heads:head_source"       # here
+    register_source("draft_file", draft_file_source)   # or there
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Callable
+
+from inference.sources.base import Draft, DraftContext, DraftSource
+from models.errors import DraftheadsError
+
+Factory = Callable[[str | None, object], DraftSource]
+
+
+def parse_kwargs(arg: str | None, spec: str, allowed: dict[str, type]) -> dict:
+    """'a=1,b=2' -> {'a': 1, 'b': 2}, typed by `allowed`; unknown keys or bad values are user errors."""
+    kwargs = {}
+    for item in filter(None, (arg or "").split(",")):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in allowed:
+            raise DraftheadsError(f"draft source '{spec}': '{item}' is not KEY=VALUE with KEY in {sorted(allowed)}")
+        try:
+            kwargs[key] = allowed[key](value.strip())
+        except ValueError:
+            raise DraftheadsError(f"draft source '{spec}': {key}={value!r} is not a valid {allowed[key].__name__}") from None
+    return kwargs
+
+
+def prompt_lookup_source(arg: str | None, target) -> DraftSource:
+    from inference.sources.prompt_lookup import PromptLookup
+
+    spec = f"prompt_lookup:{arg}"
+    try:
+        return PromptLookup(**parse_kwargs(arg, spec, {"max_ngram": int, "min_ngram": int}))
+    except ValueError as e:
+        raise DraftheadsError(f"draft source '{spec}': {e}") from None
+
+
+SOURCES: dict[str, Factory | str] = {
+    "prompt_lookup": prompt_lookup_source,
+}
+
+
+def register_source(name: str, factory: Factory | str) -> None:
+    SOURCES[name] = factory
+
+
+def build_source(spec: str, target) -> DraftSource:
+    """A DraftSource from 'NAME' or 'NAME:ARG' (see module docstring)."""
+    name, sep, arg = spec.partition(":")
+    factory = SOURCES.get(name)
+    if factory is None:
+        raise DraftheadsError(
+            f"unknown draft source '{spec}'; known sources: {', '.join(sorted(SOURCES))} "
+            "(write NAME or NAME:ARG, e.g. prompt_lookup:max_ngram=3)"
+        )
+    if isinstance(factory, str):
+        module, _, attr = factory.partition(":")
+        try:
+            factory = getattr(import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise DraftheadsError(f"draft source '{name}' is registered as '{SOURCES[name]}' but cannot be "
+                                  f"loaded ({e}); check that module is installed") from None
+    return factory(arg if sep else None, target)
+
+
+__all__ = ["Draft", "DraftContext", "DraftSource", "SOURCES", "build_source", "register_source", "parse_kwargs"]

@@ -1,0 +1,241 @@
+"""Acceptance benchmark: tau and per-position acceptance of a draft source against the target, per category.
+
+    python -m eval.acceptance --prompts ../shared/bench/spec_bench_dev.jsonl --source prompt_lookup \
+        --temperature 0 --max-new 64 --k 4 --categories mt_bench --limit 16 --out outputs/acc/pl_k4.json
+
+Multi-turn prompts are answered turn by turn: turn 2 follows the target's own turn-1 answer, each turn
+rendered with the target's chat template and the generation prompt. Reported per category and overall:
+tau (tokens emitted per verification forward, bonus included), acceptance[j] = P(position j accepted |
+position j-1 accepted) over rounds where position j was drafted and verified, mean draft length per round.
+Writes JSON + a Markdown table (.md next to it), prints the table, then ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eval.report import markdown_table, write_report
+from inference.generate import SpecResult, speculative_generate
+from inference.sampling import SamplingConfig
+from models.errors import DraftheadsError
+
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+CATEGORY_ALIASES = {"mt_bench": MT_BENCH}
+
+
+def load_prompts(path: str | Path, categories: list[str] | None = None, limit: int | None = None) -> list[dict]:
+    """Prompts {category, turns, ...} from a JSONL file, filtered by category.
+
+    --limit keeps `limit` prompts taken round-robin over categories (file order inside each), so a small
+    limit still covers every category.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DraftheadsError(f"prompt file '{path}' does not exist; pass --prompts FILE.jsonl "
+                              "(e.g. ../shared/bench/spec_bench_dev.jsonl)")
+    prompts = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DraftheadsError(f"{path}:{lineno} is not valid JSON ({e.msg}); fix or remove that line") from None
+        turns = record.get("turns") if isinstance(record, dict) else None
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+            raise DraftheadsError(f"{path}:{lineno} needs a 'turns' field with a non-empty list of user messages")
+        record.setdefault("category", "all")
+        prompts.append(record)
+    if categories:
+        wanted = [c for name in categories for c in CATEGORY_ALIASES.get(name, (name,))]
+        present = {p["category"] for p in prompts}
+        unknown = sorted(set(wanted) - present)
+        if unknown:
+            raise DraftheadsError(f"--categories {','.join(unknown)} not in '{path}'; it has "
+                                  f"{','.join(sorted(present))} (alias: mt_bench)")
+        prompts = [p for p in prompts if p["category"] in wanted]
+    if limit is not None:
+        by_category = defaultdict(list)
+        for p in prompts:
+            by_category[p["category"]].append(p)
+        queues = list(by_category.values())
+        interleaved = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+        prompts = interleaved[:limit]
+    if not prompts:
+        raise DraftheadsError(f"no prompts left from '{path}' after --categories/--limit; widen the selection")
+    return prompts
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The target's chat template with the generation prompt, tokenized without extra special tokens."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class Tally:
+    """Sums of SpecResults for one category."""
+
+    k: int
+    prompts: int = 0
+    turns: int = 0
+    tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0  # draft tokens proposed, all rounds
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    tested: torch.Tensor = field(default=None)
+    accepted: torch.Tensor = field(default=None)
+
+    def __post_init__(self):
+        self.tested = torch.zeros(self.k, dtype=torch.long)
+        self.accepted = torch.zeros(self.k, dtype=torch.long)
+
+    def add(self, res: SpecResult) -> None:
+        self.turns += 1
+        self.tokens += len(res.tokens)
+        self.rounds += res.n_verify
+        self.drafted += sum(res.draft_lengths)
+        self.draft_time += res.draft_time
+        self.verify_time += res.verify_time
+        self.tested += res.tested
+        self.accepted += res.accepted
+
+    def merge(self, other: "Tally") -> None:
+        for name in ("prompts", "turns", "tokens", "rounds", "drafted", "draft_time", "verify_time"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.tested += other.tested
+        self.accepted += other.accepted
+
+    def summary(self) -> dict:
+        rounds = max(self.rounds, 1)
+        return {
+            "prompts": self.prompts,
+            "turns": self.turns,
+            "tokens": self.tokens,
+            "rounds": self.rounds,
+            "tau": self.tokens / rounds,
+            "mean_draft_len": self.drafted / rounds,
+            "acceptance": [a / t if t else None for a, t in zip(self.accepted.tolist(), self.tested.tolist())],
+            "tested": self.tested.tolist(),
+            "draft_ms_per_round": 1000 * self.draft_time / rounds,
+            "verify_ms_per_round": 1000 * self.verify_time / rounds,
+        }
+
+
+def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfig, max_new: int, seed: int = 0,
+            progress: bool = True) -> dict[str, Tally]:
+    """Run every prompt (all its turns) -> {category: Tally}."""
+    from tqdm import tqdm
+
+    tallies: dict[str, Tally] = {}
+    for i, prompt in enumerate(tqdm(prompts, desc=f"acceptance {source.name} k={k}", disable=not progress,
+                                    file=sys.stderr, dynamic_ncols=True)):
+        tally = tallies.setdefault(prompt["category"], Tally(k))
+        tally.prompts += 1
+        messages = []
+        for turn, user in enumerate(prompt["turns"]):
+            messages.append({"role": "user", "content": user})
+            ids = chat_prompt_ids(target.tokenizer, messages)
+            res = speculative_generate(target, source, ids, max_new, k, sampling, seed=seed + 1000 * i + turn)
+            tally.add(res)
+            answer = target.tokenizer.decode(res.tokens, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": answer})
+    return tallies
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m eval.acceptance", description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", required=True, help="JSONL with 'category' and 'turns' (list of user messages)")
+    ap.add_argument("--source", required=True, help="draft source spec, e.g. prompt_lookup or prompt_lookup:max_ngram=4")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--max-new", type=int, default=128, help="new tokens per turn")
+    ap.add_argument("--k", type=int, default=4, help="draft length per round")
+    ap.add_argument("--out", required=True, help="results JSON; the Markdown table goes next to it (.md)")
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--target-path", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--limit", type=int, default=None, help="at most N prompts, round-robin over categories")
+    ap.add_argument("--categories", default=None, help="comma list; 'mt_bench' = the 8 MT-bench categories")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from inference.sources import build_source
+    from models.target import load_target
+
+    if args.k < 1 or args.max_new < 1:
+        raise DraftheadsError(f"--k and --max-new must be >= 1 (got k={args.k}, max-new={args.max_new})")
+    torch.set_num_threads(args.threads)
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    prompts = load_prompts(args.prompts, categories, args.limit)
+    sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
+    target = load_target(args.target, path=args.target_path, dtype=args.dtype)
+    source = build_source(args.source, target)
+    tallies = measure(target, source, prompts, args.k, sampling, args.max_new, args.seed, not args.no_progress)
+
+    overall = Tally(args.k)
+    for tally in tallies.values():
+        overall.merge(tally)
+    return {
+        "benchmark": "acceptance",
+        "source": args.source,
+        "prompts_file": str(args.prompts),
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "k": args.k,
+        "max_new": args.max_new,
+        "seed": args.seed,
+        "target": target.fingerprint,
+        "overall": overall.summary(),
+        "categories": {name: t.summary() for name, t in tallies.items()},
+    }
+
+
+def table(results: dict) -> str:
+    rows = [{"category": name, **s} for name, s in results["categories"].items()]
+    rows.append({"category": "**overall**", **results["overall"]})
+    k = results["k"]
+    for row in rows:
+        for j, a in enumerate(row["acceptance"]):
+            row[f"acc@{j + 1}"] = a
+    columns = ["category", "prompts", "tokens", "rounds", "tau", "mean_draft_len"] + [f"acc@{j + 1}" for j in range(k)]
+    return markdown_table(rows, columns)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        results = run(args)
+    except DraftheadsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    md = table(results)
+    title = (f"Acceptance: {results['source']} on {results['target']['name']}, T={results['temperature']}, "
+             f"k={results['k']}, max_new={results['max_new']}")
+    out, md_path = write_report(args.out, results, md, title)
+    print(md)
+    overall = results["overall"]
+    print(json.dumps({"benchmark": "acceptance", "source": results["source"], "temperature": results["temperature"],
+                      "k": results["k"], "tau": round(overall["tau"], 4),
+                      "mean_draft_len": round(overall["mean_draft_len"], 4),
+                      "acceptance": [None if a is None else round(a, 4) for a in overall["acceptance"]],
+                      "tokens": overall["tokens"], "prompts": overall["prompts"], "out": str(out), "md": str(md_path)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

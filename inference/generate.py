@@ -1,0 +1,186 @@
+"""The reference decoding loops: plain autoregressive and chain speculative decoding (batch 1).
+
+Speculative round (one target forward per round):
+
+    committed:  p1 .. pT            (KV cache holds p1 .. p{T-1}; pT is the "anchor", not yet processed)
+    draft:      d1 .. dk            = source.propose(context, k)
+    forward:    [pT, d1 .. dk]      -> logits [k+1, V], features [k+1, ...]
+    verify:     n accepted, next    = verify_chain(...)
+    commit:     d1 .. dn, next      (cache cropped back to p1 .. pT d1 .. dn; `next` is the new anchor)
+
+The prompt is prefilled without its last token, so every emitted token comes out of a verification
+forward and tau = emitted tokens / verification forwards exactly (bonus included, prefill excluded).
+The same layout means the source always has target features for every committed token but the newest,
+which is what `DraftContext` promises.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from inference.sampling import SamplingConfig
+from inference.sources.base import Draft, DraftContext, DraftSource
+from inference.verify import position_outcomes, verify_chain
+
+
+@dataclass
+class SpecResult:
+    tokens: list[int]  # new tokens, prompt excluded; stops after max_new or the first EOS (kept)
+    n_verify: int  # target verification forwards (the prefill is not one)
+    k: int  # requested draft length
+    accept_lengths: list[int] = field(default_factory=list)  # drafts accepted per round
+    draft_lengths: list[int] = field(default_factory=list)  # drafts proposed per round
+    tested: Tensor = None  # [k] rounds where position j was verified (all earlier positions accepted)
+    accepted: Tensor = None  # [k] rounds where position j was accepted
+    draft_time: float = 0.0  # seconds in source.propose
+    verify_time: float = 0.0  # seconds in target forwards + verification + cache rollback
+    prefill_time: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per verification forward (bonus included)."""
+        return len(self.tokens) / max(self.n_verify, 1)
+
+
+def eos_token_ids(target) -> list[int]:
+    """Every id the target treats as end of sequence (tokenizer, generation config, model config)."""
+    ids: set[int] = set()
+    gen_cfg = getattr(target.model, "generation_config", None)
+    for v in (target.tokenizer.eos_token_id, getattr(gen_cfg, "eos_token_id", None), target.model.config.eos_token_id):
+        if v is not None:
+            ids.update([v] if isinstance(v, int) else v)
+    return sorted(ids)
+
+
+def _as_prompt(prompt_ids) -> Tensor:
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().cpu()  # [T]
+    if prompt.numel() == 0:
+        raise ValueError("empty prompt: decoding needs at least one token")
+    return prompt
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    """Roll the KV cache back to its first `length` positions (negative crop = tokens to remove)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+@torch.no_grad()
+def generate_plain(target, prompt_ids, max_new: int, sampling: SamplingConfig, seed: int = 0, eos_ids=None) -> list[int]:
+    """Autoregressive decoding with the KV cache -> new tokens (stops after max_new or the first EOS)."""
+    prompt = _as_prompt(prompt_ids)
+    device = target.device
+    eos = set(eos_token_ids(target) if eos_ids is None else eos_ids)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    cache = DynamicCache()
+    inputs = prompt[None].to(device)  # [1, T]
+    out_tokens: list[int] = []
+    while len(out_tokens) < max_new:
+        out = target(inputs, past_key_values=cache, use_cache=True, compute_logits=False)
+        logits = target.lm_head(out.final_hidden[0, -1])  # [V]
+        token = int(sampling.sample(logits, generator))
+        out_tokens.append(token)
+        if token in eos:
+            break
+        inputs = torch.tensor([[token]], device=device)
+    return out_tokens
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    source: DraftSource,
+    prompt_ids,
+    max_new: int,
+    k: int,
+    sampling: SamplingConfig,
+    seed: int = 0,
+    eos_ids=None,
+) -> SpecResult:
+    """Chain speculative decoding; greedy output equals `generate_plain` token for token."""
+    prompt = _as_prompt(prompt_ids)
+    device = target.device
+    eos = set(eos_token_ids(target) if eos_ids is None else eos_ids)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    source.reset()
+    res = SpecResult(tokens=[], n_verify=0, k=k, tested=torch.zeros(k, dtype=torch.long),
+                     accepted=torch.zeros(k, dtype=torch.long))
+
+    seq = torch.empty(prompt.numel() + max_new + 1, dtype=torch.long)  # committed tokens, grows in place
+    seq[: prompt.numel()] = prompt
+    length = prompt.numel()
+    # target features of committed tokens, filled as the cache grows (only when the source reads them)
+    features = bool(getattr(source, "needs_features", False))
+    aux = final = None
+    if features:
+        aux = torch.empty(seq.numel(), len(target.layer_ids) * target.hidden_size, device=device, dtype=target.dtype)
+        final = torch.empty(seq.numel(), target.hidden_size, device=device, dtype=target.dtype)
+
+    cache = DynamicCache()
+    t0 = time.perf_counter()
+    if length > 1:
+        out = target(prompt[None, :-1].to(device), past_key_values=cache, use_cache=True, compute_logits=False)
+        if features:
+            aux[: length - 1] = out.aux_hidden[0]
+            final[: length - 1] = out.final_hidden[0]
+    _sync(device)
+    res.prefill_time = time.perf_counter() - t0
+
+    while len(res.tokens) < max_new:
+        # -- draft (never more than the round could emit) --
+        t0 = time.perf_counter()
+        k_round = min(k, max_new - len(res.tokens) - 1)
+        draft = Draft(tokens=torch.empty(0, dtype=torch.long))
+        if k_round > 0:
+            ctx = DraftContext(seq[:length], aux[: length - 1] if features else None,
+                               final[: length - 1] if features else None)
+            draft = _truncate(source.propose(ctx, k_round, sampling), k_round)
+        _sync(device)
+        t1 = time.perf_counter()
+
+        # -- verify: one forward over [anchor, d1..dk] --
+        inputs = torch.cat([seq[length - 1 : length], draft.tokens.cpu().long()])[None].to(device)  # [1, k+1]
+        out = target(inputs, past_key_values=cache, use_cache=True)
+        n, next_token = verify_chain(draft, out.logits[0], sampling, generator)
+        _crop(cache, length + n)  # keep p1..pT d1..dn
+        if features:
+            aux[length - 1 : length + n] = out.aux_hidden[0, : n + 1]
+            final[length - 1 : length + n] = out.final_hidden[0, : n + 1]
+        _sync(device)
+        res.verify_time += time.perf_counter() - t1
+        res.draft_time += t1 - t0
+
+        # -- bookkeeping --
+        res.n_verify += 1
+        res.accept_lengths.append(n)
+        res.draft_lengths.append(draft.size)
+        if draft.size:
+            tested, accepted = position_outcomes(n, draft.size)
+            res.tested[: draft.size] += tested
+            res.accepted[: draft.size] += accepted
+        for token in draft.tokens[:n].tolist() + [next_token]:
+            seq[length] = token
+            length += 1
+            res.tokens.append(token)
+            if token in eos or len(res.tokens) >= max_new:
+                return res
+    return res
+
+
+def _truncate(draft: Draft, k: int) -> Draft:
+    """A source may return more than asked; keep the first k (and their probs / confidences)."""
+    if draft.size <= k:
+        return draft
+    cut = lambda t: None if t is None else t[:k]  # noqa: E731
+    return Draft(draft.tokens[:k], cut(draft.probs), cut(draft.confidences), cut(draft.parents))
