@@ -57,8 +57,10 @@ def extract_features(
     bar = tqdm(total=sum(len(ids) for ids, _ in todo), desc="features", unit="tok")
     i = 0
     while i < len(todo):
-        batch = [todo[i]]  # pack sequences of similar length up to batch_tokens (right padding)
-        while i + len(batch) < len(todo) and (len(batch) + 1) * max(len(s[0]) for s in batch + [todo[i + len(batch)]]) <= batch_tokens:
+        batch = [todo[i]]  # pack sequences up to batch_tokens (right padding), never far past a shard boundary
+        while (i + len(batch) < len(todo)
+               and (len(batch) + 1) * max(len(s[0]) for s in batch + [todo[i + len(batch)]]) <= batch_tokens
+               and buffered_tokens + sum(len(s[0]) for s in batch) < shard_tokens):
             batch.append(todo[i + len(batch)])
         i += len(batch)
         for seq, (aux, final) in zip(batch, _run_batch(target, [ids for ids, _ in batch])):

@@ -150,8 +150,10 @@ class Target:
         aux = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         logits = self.lm_head(final) if compute_logits else None
         self._captured.clear()
-        cache = out["cache"] if "cache" in out else out.get("past_key_values")
-        return TargetOutput(logits, aux, final, cache if use_cache else None)
+        cache = None
+        if use_cache:
+            cache = out["cache"] if CACHE_KWARG == "cache" else out["past_key_values"]
+        return TargetOutput(logits, aux, final, cache)
 
     __call__ = forward
 

@@ -1,0 +1,75 @@
+import json
+
+import pytest
+import torch
+
+from data.chat import tokenize_chat
+from data.features import FeatureDataset, extract_features
+from data.regenerate import regenerate
+from models.errors import DraftheadsError
+
+CONVS = [[{"role": "user", "content": f"question number {i} " * (1 + i % 3)},
+          {"role": "assistant", "content": "old answer"},
+          {"role": "user", "content": "second turn"},
+          {"role": "assistant", "content": "old two"}] for i in range(10)]
+
+
+def test_regeneration_is_deterministic_and_resumes(tiny_target, tmp_path):
+    kw = dict(max_new=12, turns=2, batch_size=4, temperature=1.0, seed=3)
+    full = regenerate(tiny_target, CONVS, tmp_path / "full.jsonl", **kw)
+    assert full["records"] == 10 and full["new_tokens"] > 0
+    lines = (tmp_path / "full.jsonl").read_text().splitlines()
+    # a kill after the first batch, in the middle of writing the second line of batch 2
+    (tmp_path / "part.jsonl").write_text("\n".join(lines[:4]) + "\n" + lines[4][:20])
+    again = regenerate(tiny_target, CONVS, tmp_path / "part.jsonl", **kw)
+    assert again["new_tokens"] < full["new_tokens"]  # only the missing batches were generated
+    assert sorted((tmp_path / "part.jsonl").read_text().splitlines()) == sorted(lines)
+    rec = json.loads(lines[0])
+    roles = [t["role"] for t in rec["conversation"]]
+    assert roles == ["user", "assistant", "user", "assistant"] and len(rec["finished"]) == 2
+    assert rec["conversation"][1]["content"] != "old answer"
+
+
+def test_long_prompts_are_skipped_and_counted(tiny_target, tmp_path):
+    report = regenerate(tiny_target, CONVS, tmp_path / "r.jsonl", max_new=4, max_prompt_tokens=60)
+    assert report["skipped_long_prompt"] > 0 and report["records"] + report["skipped_long_prompt"] == 10
+
+
+def _sequences(tok, n=7):
+    return [(tc.input_ids, tc.loss_mask) for tc in (tokenize_chat(tok, c) for c in CONVS[:n])]
+
+
+def test_features_recompute_target_logits_and_resume(tiny_target, tmp_path):
+    seqs = _sequences(tiny_target.tokenizer)
+    full = extract_features(tiny_target, seqs, tmp_path / "a", shard_tokens=150)
+    ds = FeatureDataset(tmp_path / "a")
+    assert len(ds) == 7 and full["tokens"] == sum(len(s[0]) for s in seqs) and len(ds.manifest["shards"]) > 2
+    ex = ds[5]
+    assert torch.equal(ex["input_ids"], seqs[5][0]) and torch.equal(ex["loss_mask"], seqs[5][1])
+    ref = tiny_target(seqs[5][0][None])
+    assert torch.allclose(ex["aux_hidden"], ref.aux_hidden[0], atol=0.05, rtol=0.02)  # bf16 storage
+    logits = tiny_target.lm_head(ex["final_hidden"])
+    assert (logits.argmax(-1) == ref.logits[0].argmax(-1)).float().mean() > 0.95
+
+    # a kill after two shards: drop later shards from the manifest, resume, same data
+    man = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    man["shards"], man["complete"] = man["shards"][:2], False
+    man["sequences_done"] = sum(s["sequences"] for s in man["shards"])
+    (tmp_path / "a" / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(DraftheadsError, match="incomplete.*resume"):
+        FeatureDataset(tmp_path / "a")
+    resumed = extract_features(tiny_target, seqs, tmp_path / "a", shard_tokens=150)
+    assert resumed["new_tokens"] < full["tokens"] and resumed["tokens"] == full["tokens"]
+    ds2 = FeatureDataset(tmp_path / "a")
+    assert all(torch.equal(ds2[i]["aux_hidden"], FeatureDataset(tmp_path / "a")[i]["aux_hidden"]) for i in range(7))
+    assert torch.equal(ds2[5]["final_hidden"], ex["final_hidden"])
+
+
+def test_features_of_another_target_are_refused(tiny_target, tmp_path):
+    from models.target import Target, tiny_random_llama
+
+    extract_features(tiny_target, _sequences(tiny_target.tokenizer, 2), tmp_path / "f")
+    model, tok = tiny_random_llama(num_layers=6, hidden_size=32)
+    other = Target(model, tok, "other-tiny")
+    with pytest.raises(DraftheadsError, match="built for target 'tiny-random-llama'.*hidden_size"):
+        extract_features(other, _sequences(tok, 2), tmp_path / "f")

