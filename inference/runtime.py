@@ -1,0 +1,280 @@
+"""The fast speculative loop: static KV cache, chain and tree verification, batch > 1.
+
+One round for every active request b (committed tokens t_1..t_n; the cache holds t_1..t_{n-1}, t_n is the
+anchor the target has not processed yet, as in inference/generate.py):
+
+    draft:    d = source.propose(context_b, k_b)       k_b from the request's K schedule, cut by the prefix scheduler
+    group:    requests sorted by 1 + |d|, split where a separate forward costs less than the padding
+    verify:   one forward per group over [anchor, d] (tree mask + depth positions for trees)
+    accept:   verify.verify_chain (chains) / tree.accept_tree (trees)  -> accepted path, next token
+    commit:   accepted path compacted to the slots after the anchor; lengths[b] += 1 + accepted
+
+Plain decoding is the same loop with no source (k = 0), so "speedup" compares like with like.
+tau = emitted tokens / verification forwards per request (bonus included, prefill excluded).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from inference.generate import _truncate, eos_token_ids
+from inference.llama import LlamaForward
+from inference.sampling import SamplingConfig
+from inference.schedulers import FixedK, VerifyCost, plan_groups
+from inference.sources.base import Draft, DraftContext, DraftSource
+from inference.tree import accept_tree, check_parents, draft_parents, tree_depths, tree_mask
+from models.errors import DraftheadsError
+
+EMPTY = torch.empty(0, dtype=torch.long)
+
+
+@dataclass
+class RuntimeStats:
+    rounds: int = 0  # verification rounds summed over requests (= tau's denominator)
+    forwards: int = 0  # target forwards (one per draft-length group per round)
+    emitted: int = 0
+    proposed: int = 0
+    accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per round -> count
+    tested: Counter = field(default_factory=Counter)  # depth j -> rounds where depth j was verified
+    accepted: Counter = field(default_factory=Counter)  # depth j -> rounds where depth j was accepted
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / max(self.rounds, 1)
+
+    def summary(self) -> dict:
+        depths = sorted(self.tested)
+        return {
+            "tau": round(self.tau, 4), "rounds": self.rounds, "forwards": self.forwards, "emitted": self.emitted,
+            "proposed": self.proposed, "accept_hist": {int(a): c for a, c in sorted(self.accept_hist.items())},
+            "per_position_accept": [round(self.accepted[j] / max(self.tested[j], 1), 4) for j in depths],
+            "prefill_s": round(self.prefill_s, 4), "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4), "total_s": round(self.total_s, 4),
+        }
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens per request (prompt excluded), cut at max_new or after the first EOS
+    stats: RuntimeStats
+
+
+class Runtime:
+    """A target behind a static KV cache for up to `batch_size` requests of up to `max_len` positions.
+
+    compile=True (CUDA): torch.compile(mode="reduce-overhead") = CUDA graphs per (rows, T) shape; the cache
+    then reads all max_len slots so shapes never change with the context length."""
+
+    def __init__(self, target, max_len: int = 2048, batch_size: int = 1, compile: bool = False,
+                 cost: VerifyCost | None = None):
+        self.target = target
+        self.model = LlamaForward(target)
+        self.cache = self.model.new_cache(batch_size, max_len, static=compile)
+        self.forward = self.model.forward
+        if compile:
+            for t in self.cache.k + self.cache.v:
+                torch._dynamo.mark_static_address(t)
+            self.forward = torch.compile(self.model.forward, mode="reduce-overhead", dynamic=False)
+        self.eos = set(eos_token_ids(target))
+        self.cost = cost  # verify cost curve; None = one padded forward per round
+        self.device = target.device
+        self.tokens = torch.zeros(batch_size, max_len + 1, dtype=torch.long)  # committed tokens, host side
+        self._aux = self._final = None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.cache.nbytes
+
+    def _features(self) -> tuple[Tensor, Tensor]:
+        if self._aux is None:  # allocated once, on the first source that reads target features
+            B, L = self.cache.batch_size, self.cache.max_len
+            H, n = self.target.hidden_size, len(self.target.layer_ids)
+            self._aux = torch.zeros(B, L, n * H, dtype=self.target.dtype, device=self.device)
+            self._final = torch.zeros(B, L, H, dtype=self.target.dtype, device=self.device)
+        return self._aux, self._final
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list, max_new: int, source: DraftSource | None = None,
+                 sampling: SamplingConfig = SamplingConfig(), k: int = 4, schedule=None, prefix=None,
+                 selector=None, seed: int = 0, ignore_eos: bool = False) -> Generation:
+        """prompts: token-id lists (one per request). schedule: () -> per-request K schedule (default FixedK(k));
+        prefix: ConfidencePrefix (cuts drafts); selector: SourceSelector (routes each request per round)."""
+        B = len(prompts)
+        if not 0 < B <= self.cache.batch_size:
+            raise DraftheadsError(f"got {B} prompts for a runtime built for batch_size={self.cache.batch_size}; "
+                                  f"pass between 1 and {self.cache.batch_size} prompts or build a bigger runtime")
+        prompts = [torch.as_tensor(p, dtype=torch.long).flatten().cpu() for p in prompts]
+        if min(p.numel() for p in prompts) == 0:
+            raise DraftheadsError("an empty prompt was given; every request needs at least one token")
+        longest = max(p.numel() for p in prompts)
+        if longest + max_new + 1 > self.cache.max_len:
+            raise DraftheadsError(f"prompt of {longest} tokens + max_new {max_new} does not fit the KV cache of "
+                                  f"{self.cache.max_len} positions; build the Runtime with a larger max_len")
+        sources = selector.sources if selector is not None else ([source] if source is not None else [])
+        for s in sources:
+            s.reset()
+        feats = any(getattr(s, "needs_features", False) for s in sources)
+        aux, final = self._features() if feats else (None, None)
+        schedules = [(schedule or (lambda: FixedK(k)))() for _ in range(B)]
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        stats = RuntimeStats()
+        t_start = time.perf_counter()
+
+        # -- prefill prompt[:-1] (right-padded); the last prompt token is each request's first anchor --
+        self.cache.reset()
+        n_tok = [p.numel() for p in prompts]
+        for b, p in enumerate(prompts):
+            self.tokens[b, : p.numel()] = p
+        T = longest - 1
+        if T > 0:
+            ids = torch.zeros(B, T, dtype=torch.long)
+            for b, p in enumerate(prompts):
+                ids[b, : p.numel() - 1] = p[:-1]
+            out = self.forward(ids.to(self.device), self.cache, rows=self.cache.all_rows()[:B], compute_logits=False)
+            self.cache.commit(self.cache.all_rows()[:B], torch.tensor([n - 1 for n in n_tok], device=self.device))
+            if feats:
+                for b, n in enumerate(n_tok):
+                    aux[b, : n - 1], final[b, : n - 1] = out.aux_hidden[b, : n - 1], out.final_hidden[b, : n - 1]
+        self._sync()
+        stats.prefill_s = time.perf_counter() - t_start
+
+        outputs: list[list[int]] = [[] for _ in range(B)]
+        active = list(range(B))
+        while active:
+            # -- draft --
+            drafts: dict[int, Draft] = {}
+            chosen: dict[int, int] = {}
+            for b in active:
+                t0 = time.perf_counter()
+                k_b = min(schedules[b].k, max_new - len(outputs[b]) - 1)
+                draft = Draft(EMPTY)
+                if sources and k_b > 0:
+                    chosen[b] = selector.choose() if selector is not None else 0
+                    n = n_tok[b]
+                    ctx = DraftContext(self.tokens[b, :n], aux[b, : n - 1] if feats else None,
+                                       final[b, : n - 1] if feats else None)
+                    draft = _truncate(sources[chosen[b]].propose(ctx, k_b, sampling), k_b)
+                    if prefix is not None:
+                        draft = prefix.truncate(draft)
+                drafts[b] = draft
+                self._sync()
+                dt = time.perf_counter() - t0
+                stats.draft_s += dt
+                if b in chosen and selector is not None:
+                    selector.record_draft(chosen[b], dt)
+
+            # -- verify, one forward per draft-length group --
+            sizes = [1 + drafts[b].size for b in active]
+            groups = plan_groups(sizes, self.cost) if self.cost is not None else [list(range(len(active)))]
+            for group in groups:
+                members = [active[i] for i in group]
+                t0 = time.perf_counter()
+                results = self._verify_group(members, drafts, sampling, gen, aux, final)
+                self._sync()
+                dt = time.perf_counter() - t0
+                stats.verify_s += dt
+                stats.forwards += 1
+                width = sum(1 + drafts[b].size for b in members)
+                for b, (path, nxt) in zip(members, results):
+                    draft = drafts[b]
+                    emitted = [int(draft.tokens[i]) for i in path] + [nxt]
+                    stats.rounds += 1
+                    stats.proposed += draft.size
+                    stats.accept_hist[len(path)] += 1
+                    max_depth = int(tree_depths(draft_parents(draft)).max()) if draft.size else 0
+                    for j in range(min(len(path) + 1, max_depth)):
+                        stats.tested[j] += 1
+                        stats.accepted[j] += j < len(path)
+                    schedules[b].update(draft.size, len(path))
+                    if b in chosen and selector is not None:
+                        selector.record_verify(chosen[b], len(emitted), dt * (1 + draft.size) / width)
+                    for tok in emitted:
+                        self.tokens[b, n_tok[b]] = tok
+                        n_tok[b] += 1
+                        outputs[b].append(tok)
+                        if len(outputs[b]) >= max_new or (tok in self.eos and not ignore_eos):
+                            break
+            active = [b for b in active if len(outputs[b]) < max_new
+                      and (ignore_eos or not outputs[b] or outputs[b][-1] not in self.eos)]
+        stats.emitted = sum(len(o) for o in outputs)
+        stats.total_s = time.perf_counter() - t_start
+        return Generation(outputs, stats)
+
+    def _verify_group(self, members: list[int], drafts: dict[int, Draft], sampling, gen, aux, final):
+        """One target forward over [anchor, draft] of each member (padded to the longest); accept; commit."""
+        R = len(members)
+        T = 1 + max(drafts[b].size for b in members)
+        ids = torch.zeros(R, T, dtype=torch.long)
+        masks = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1)  # pads see themselves only
+        offsets = torch.arange(T).repeat(R, 1)
+        any_tree = False
+        for r, b in enumerate(members):
+            d = drafts[b]
+            n = 1 + d.size
+            ids[r, 0] = self.tokens[b, self.cache_len(b)]  # the anchor
+            ids[r, 1:n] = d.tokens.cpu()
+            parents = draft_parents(d)
+            if d.parents is not None:
+                check_parents(parents)
+                any_tree = True
+                offsets[r, 1:n] = tree_depths(parents)
+            masks[r, :n, :n] = tree_mask(parents)
+        rows = torch.tensor(members, device=self.device)
+        lengths = self.cache.lengths[rows].tolist()
+        out = self.forward(ids.to(self.device), self.cache, tree_mask=masks.to(self.device),
+                           position_offsets=offsets.to(self.device) if any_tree else None, rows=rows)
+        results = []
+        for r, b in enumerate(members):
+            d = drafts[b]
+            path, nxt = accept_tree(d, out.logits[r, : 1 + d.size], sampling, gen)
+            kept = torch.tensor([0] + [i + 1 for i in path], device=self.device)  # input rows that stay
+            if d.parents is not None:
+                self.cache.compact(b, lengths[r] + kept, lengths[r])
+            if aux is not None:
+                aux[b, lengths[r]: lengths[r] + kept.numel()] = out.aux_hidden[r, kept]
+                final[b, lengths[r]: lengths[r] + kept.numel()] = out.final_hidden[r, kept]
+            self.cache.commit(rows[r: r + 1], torch.tensor([kept.numel()], device=self.device))
+            results.append((path, nxt))
+        return results
+
+    def cache_len(self, b: int) -> int:
+        return int(self.cache.lengths[b])
+
+    # ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def profile_cost(self, sizes=(1, 2, 4, 8, 16), context: int = 128, repeats: int = 3) -> VerifyCost:
+        """Seconds for one forward of n tokens after `context` committed ones (median of repeats): the
+        steps-per-second curve the confidence prefix scheduler and the group planner read. Run once at start-up."""
+        context = min(context, self.cache.max_len - max(sizes) - 1)
+        row = self.cache.all_rows()[:1]
+        ids = torch.randint(0, self.target.vocab_size, (1, context + max(sizes)), device=self.device)
+        self.cache.reset()
+        self.forward(ids[:, :context], self.cache, rows=row, compute_logits=False)
+        self.cache.commit(row, torch.tensor([context], device=self.device))
+        seconds = []
+        for n in sizes:
+            times = []
+            for _ in range(repeats + 1):  # first call is warm-up
+                t0 = time.perf_counter()
+                self.forward(ids[:, context: context + n], self.cache, rows=row)
+                self._sync()
+                times.append(time.perf_counter() - t0)
+            seconds.append(sorted(times[1:])[len(times[1:]) // 2])
+        self.cache.reset()
+        self.cost = VerifyCost(list(sizes), seconds)
+        return self.cost
+

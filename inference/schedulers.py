@@ -1,0 +1,164 @@
+"""How much to draft, and with what: K schedules, the confidence prefix scheduler, a source selector.
+
+All of them only choose or truncate drafts, never change a token, so every one of them is lossless by
+construction (tests/test_schedulers.py checks greedy equality through the runtime anyway).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from inference.sources.base import Draft
+
+
+class FixedK:
+    def __init__(self, k: int):
+        self.k = k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        pass
+
+
+class DynamicK:
+    """K from a sliding acceptance window: the last `window` draft tokens, re-evaluated every `every`
+    of them. Acceptance = accepted / proposed. >85% -> +2, 70-85% -> 0, 50-70% -> -1, <50% -> -2,
+    clamped to [k_min, k_max]. With hysteresis a change needs the same verdict twice in a row."""
+
+    def __init__(self, k: int = 4, k_min: int = 2, k_max: int = 8, window: int = 64, every: int = 16,
+                 hysteresis: bool = False):
+        self.k, self.k_min, self.k_max, self.every, self.hysteresis = k, k_min, k_max, every, hysteresis
+        self.window: deque[int] = deque(maxlen=window)
+        self.since = 0
+        self.pending = 0  # last verdict (hysteresis)
+        self.history: list[int] = [k]
+
+    @staticmethod
+    def verdict(rate: float) -> int:
+        if rate > 0.85:
+            return 2
+        if rate >= 0.70:
+            return 0
+        if rate >= 0.50:
+            return -1
+        return -2
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.window.extend([1] * accepted + [0] * (proposed - accepted))
+        self.since += proposed
+        if self.since < self.every or not self.window:
+            return
+        self.since = 0
+        delta = self.verdict(sum(self.window) / len(self.window))
+        if self.hysteresis:
+            delta, self.pending = (delta if delta == self.pending else 0), delta
+        self.k = max(self.k_min, min(self.k_max, self.k + delta))
+        self.history.append(self.k)
+
+
+@dataclass
+class VerifyCost:
+    """Seconds for one target forward over n tokens, measured at `sizes` (Runtime.profile_cost);
+    linear in between and beyond the last size."""
+
+    sizes: list[int]
+    seconds: list[float]
+
+    def __call__(self, n: float) -> float:
+        xs, ys = self.sizes, self.seconds
+        if n <= xs[0]:
+            return ys[0]
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+            if n <= x1:
+                return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+        return ys[-1] + slope * (n - xs[-1])
+
+    def steps_per_second(self, n: int) -> float:
+        return 1.0 / self(n)
+
+
+class ConfidencePrefix:
+    """DSpark's confidence prefix scheduler. Token j survives with s_j = prod_{i<=j} confidences_i, so a
+    prefix of n drafts emits E(n) = 1 + sum_{j<=n} s_j tokens per verification costing cost(1 + n). Admit
+    drafts greedily while E/cost (tokens per second) still rises; stop at the first that lowers it. Only
+    truncates: lossless. Drafts without confidences (and trees) pass through unchanged."""
+
+    def __init__(self, cost: VerifyCost, min_keep: int = 0):
+        self.cost, self.min_keep = cost, min_keep
+        self.kept: list[int] = []
+
+    def keep(self, confidences: list[float]) -> int:
+        survival, expected = 1.0, 1.0
+        best = expected / self.cost(1)
+        n = 0
+        for j, c in enumerate(confidences, start=1):
+            survival *= float(c)
+            rate = (expected + survival) / self.cost(1 + j)
+            if rate <= best and j > self.min_keep:
+                break
+            expected, best, n = expected + survival, max(best, rate), j
+        return n
+
+    def truncate(self, draft: Draft) -> Draft:
+        if draft.confidences is None or draft.parents is not None or draft.size == 0:
+            return draft
+        n = self.keep(draft.confidences.tolist())
+        self.kept.append(n)
+        cut = lambda t: None if t is None else t[:n]  # noqa: E731
+        return Draft(draft.tokens[:n], cut(draft.probs), cut(draft.confidences), None)
+
+
+def plan_groups(sizes: list[int], cost: VerifyCost) -> list[list[int]]:
+    """Split requests (input lengths `sizes`) into forwards: each forward pads its members to its longest,
+    costing cost(members * longest). Exact DP over the requests sorted by length -> lists of indices."""
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    n = len(order)
+    best = [0.0] + [math.inf] * n
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        longest = sizes[order[i - 1]]
+        for j in range(i):
+            c = best[j] + cost((i - j) * longest)
+            if c < best[i]:
+                best[i], cut[i] = c, j
+    groups, i = [], n
+    while i > 0:
+        groups.append(order[cut[i]:i])
+        i = cut[i]
+    return groups[::-1]
+
+
+class SourceSelector:
+    """Routes each request, each round, to the source with the most emitted tokens per second
+    (its drafting time + its share of verification time), exponentially weighted (decay per round);
+    every source is tried `warmup` rounds first."""
+
+    def __init__(self, sources: list, warmup: int = 4, decay: float = 0.95):
+        self.sources, self.warmup, self.decay = list(sources), warmup, decay
+        self.tokens = [0.0] * len(self.sources)
+        self.seconds = [0.0] * len(self.sources)
+        self.rounds = [0] * len(self.sources)
+        self.picks = [0] * len(self.sources)
+
+    def score(self, i: int) -> float:
+        return self.tokens[i] / max(self.seconds[i], 1e-9)
+
+    def choose(self) -> int:
+        untried = [i for i, r in enumerate(self.rounds) if r < self.warmup]
+        i = untried[0] if untried else max(range(len(self.sources)), key=self.score)
+        self.picks[i] += 1
+        return i
+
+    def record_draft(self, i: int, seconds: float) -> None:
+        self.seconds[i] += seconds
+
+    def record_verify(self, i: int, emitted: int, seconds: float) -> None:
+        self.tokens[i] = self.tokens[i] * self.decay + emitted
+        self.seconds[i] = self.seconds[i] * self.decay + seconds
+        self.rounds[i] += 1
+
+    def report(self) -> list[dict]:
+        return [{"source": getattr(s, "name", str(i)), "rounds": self.rounds[i], "picks": self.picks[i],
+                 "tokens_per_s": round(self.score(i), 2)} for i, s in enumerate(self.sources)]

@@ -1,0 +1,107 @@
+"""Tree drafts: parent arrays, the tree attention mask, positions, and tree acceptance.
+
+A tree draft is `Draft.parents` [N] with parents[i] < i (-1 = the anchor). The verification input is
+[anchor, node 0 .. node N-1], so node i sits at input row i+1, position lengths + depth(i), and attends to
+the committed cache plus its ancestors and itself. A chain is the tree parents = [-1, 0, 1, ..].
+
+Acceptance walks from the anchor. At a node with target distribution p the children are tried in order;
+child c (token x, draft distribution q_c, a point mass when the source gave no probs) is accepted with
+probability min(1, p(x)/q_c(x)), otherwise p <- norm(max(0, p - q_c)) and the next child is tried; when all
+fail a token is drawn from the final p. With one child per node this is exactly `verify.accept_rejection`,
+and it is lossless for distinct deterministic children (point masses: rejected tokens are removed from p)
+and for i.i.d. sampled children (SpecInfer's multi-draft rule). Greedy: follow the child equal to the
+argmax; the token after the path is the argmax there, bit-identical to plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from inference.sampling import SamplingConfig
+from inference.sources.base import Draft
+from inference.verify import point_mass, verify_chain
+
+
+def chain_parents(k: int) -> Tensor:
+    return torch.arange(k) - 1  # [-1, 0, 1, .., k-2]
+
+
+def draft_parents(draft: Draft) -> Tensor:
+    return draft.parents.long().cpu() if draft.parents is not None else chain_parents(draft.size)
+
+
+def check_parents(parents: Tensor, what: str = "draft") -> None:
+    idx = torch.arange(parents.numel())
+    if bool(((parents >= idx) | (parents < -1)).any()):
+        raise ValueError(f"{what}.parents {parents.tolist()} must satisfy -1 <= parents[i] < i (topological order)")
+
+
+def tree_depths(parents: Tensor) -> Tensor:
+    """depth [N] of each node (children of the anchor have depth 1)."""
+    depth = torch.zeros(parents.numel(), dtype=torch.long)
+    for i, p in enumerate(parents.tolist()):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    return depth
+
+
+def tree_mask(parents: Tensor) -> Tensor:
+    """Ancestor-or-self mask [N+1, N+1] over [anchor, nodes]: row j may attend to column i.
+    The PyTorch reference of kernels.tree_mask_triton."""
+    n = parents.numel()
+    mask = torch.eye(n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, p in enumerate(parents.tolist()):  # parents come first: their rows are already complete
+        mask[i + 1] |= mask[p + 1]
+    return mask
+
+
+def children_lists(parents: Tensor) -> list[list[int]]:
+    """children[j] for j = input row (0 = anchor, i+1 = node i), as node indices in draft order."""
+    out: list[list[int]] = [[] for _ in range(parents.numel() + 1)]
+    for i, p in enumerate(parents.tolist()):
+        out[p + 1].append(i)
+    return out
+
+
+def accept_tree(
+    draft: Draft,
+    target_logits: Tensor,  # [N+1, V] at [anchor, nodes]
+    sampling: SamplingConfig,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """-> (accepted node indices along the path, next token). Chains go through `verify.verify_chain`."""
+    if draft.parents is None:
+        n, nxt = verify_chain(draft, target_logits, sampling, generator)
+        return list(range(n)), nxt
+    parents = draft.parents.long().cpu()
+    tokens = draft.tokens.cpu()
+    kids = children_lists(parents)
+    path: list[int] = []
+    row = 0
+    if sampling.greedy:
+        while True:
+            target_tok = int(target_logits[row].argmax())
+            match = [c for c in kids[row] if int(tokens[c]) == target_tok]
+            if not match:
+                return path, target_tok
+            path.append(match[0])
+            row = match[0] + 1
+    probs = sampling.probs(target_logits)  # [N+1, V]
+    while True:
+        p = probs[row]
+        accepted = None
+        for c in kids[row]:
+            x = int(tokens[c])
+            q = draft.probs[c].to(p) if draft.probs is not None else point_mass(tokens[c], p.shape[-1]).to(p)
+            u = torch.rand((), generator=generator, device=p.device)
+            if u * q[x] < p[x]:  # u < p/q without the division (as in verify.accept_rejection)
+                accepted = c
+                break
+            residual = (p - q).clamp_min(0)
+            p = residual / residual.sum() if residual.sum() > 0 else p
+        if accepted is None:
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        path.append(accepted)
+        row = accepted + 1
+
