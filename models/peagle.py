@@ -1,0 +1,366 @@
+"""P-EAGLE: an EAGLE-3 draft head that drafts K tokens in ONE forward (parallel), or the classic chain.
+
+Layout mirrors vLLM's speculators EAGLE-3 draft so export is a rename:
+  fc [H, 3H] (no bias) fuses the aux hidden states of 3 target layers;
+  layers.0 is a Llama decoder layer whose q/k/v read [input_layernorm(embed); hidden_norm(hidden)] (2H);
+  layers.1.. are plain Llama layers; norm; lm_head (the target's frozen one, or a draft-vocab head of N rows
+  with d2t / t2d maps).
+
+Alignment (the one place an off-by-one can hide). Features row t = target hidden states after reading tokens
+x_0..x_t. The draft token with anchor t and depth d (d = 1..K) sits at position t + d - 1 and predicts x_{t+d+1};
+its label distribution is the target's logits at row t + d. Inputs:
+  depth 1:                   [embed(x_{t+1}); fc(aux_t)]                     (everything here is committed)
+  depth d > 1, parallel:     [mask_embedding; fc(mask_hidden)]                (shared learnable slot)
+  depth d > 1, chain:        [embed(x_{t+d}) (drafted at inference); prenorm output of depth d-1, no fc]
+Attention: a depth-d token of anchor t sees depth-1 tokens of anchors <= t and the depth 2..d tokens of its own
+anchor. The same rule serves training (all anchors at once, COD-sampled deeper depths), the chain's
+training-time test and inference with a cache of depth-1 keys/values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.draft_vocab import DraftVocab
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin [B, 1, N, head_dim] for integer positions [B, N] (Llama 'default' RoPE)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # [B, N, hd/2]
+    angles = torch.cat([angles, angles], dim=-1)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, in_size: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(in_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(in_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past: tuple[Tensor, Tensor] | None):
+        B, N, _ = x.shape
+        q = self.q_proj(x).view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        new_kv = (k, v)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        rep = self.num_heads // self.num_kv_heads
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, N, -1)), new_kv
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Llama decoder layer; the first one (EAGLE-3) also reads the token embedding: q/k/v take 2H inputs."""
+
+    def __init__(self, first: bool, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps,
+                 norm_before_residual: bool):
+        super().__init__()
+        self.first, self.norm_before_residual = first, norm_before_residual
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        if first:
+            self.hidden_norm = RMSNorm(hidden_size, eps)
+        in_size = 2 * hidden_size if first else hidden_size
+        self.self_attn = Attention(in_size, hidden_size, num_heads, num_kv_heads, head_dim)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = MLP(hidden_size, intermediate_size)
+
+    def forward(self, embeds, hidden, cos, sin, mask, past):
+        if self.first:
+            normed_hidden = self.hidden_norm(hidden)
+            residual = normed_hidden if self.norm_before_residual else hidden
+            x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
+        else:
+            residual, x = hidden, self.input_layernorm(hidden)
+        attn, new_kv = self.self_attn(x, cos, sin, mask, past)
+        h = residual + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), new_kv
+
+
+def draft_attention_mask(q_anchor, q_depth, k_anchor, k_depth, k_valid) -> Tensor:
+    """[B, 1, Nq, Nk] bool (True = attend): depth-1 keys of anchors <= the query's, plus same-anchor depths <= its own."""
+    qa, qd = q_anchor[:, :, None], q_depth[:, :, None]
+    ka, kd = k_anchor[:, None, :], k_depth[:, None, :]
+    allowed = ((kd == 1) & (ka <= qa)) | ((ka == qa) & (kd <= qd))
+    allowed = allowed & k_valid[:, None, :]
+    # a padded query must see something or SDPA returns NaN: let every query see at least key 0 (its output is dropped)
+    allowed[..., 0] |= ~allowed.any(-1)
+    return allowed[:, None]
+
+
+@dataclass
+class DraftTrainOutput:
+    """What the trainer needs from any drafter: logits and where each row's label lives."""
+
+    logits: Tensor  # [N, V_draft]
+    batch_index: Tensor  # [N] sequence in the batch
+    anchor: Tensor  # [N] anchor t: the label is the target's distribution at row t + depth (token t + depth + 1)
+    depth: Tensor  # [N] 1..K
+
+
+class PEagleDrafter(nn.Module):
+    family = "peagle"
+
+    def __init__(self, hidden_size: int, num_aux_layers: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, intermediate_size: int, vocab_size: int, k: int, parallel: bool = True,
+                 draft_vocab_size: int | None = None, rms_norm_eps: float = 1e-5, rope_theta: float = 10000.0,
+                 norm_before_residual: bool = False):
+        super().__init__()
+        self.config = dict(hidden_size=hidden_size, num_aux_layers=num_aux_layers, num_layers=num_layers,
+                           num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           intermediate_size=intermediate_size, vocab_size=vocab_size, k=k, parallel=parallel,
+                           draft_vocab_size=draft_vocab_size, rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
+                           norm_before_residual=norm_before_residual)
+        self.k, self.parallel, self.head_dim, self.rope_theta = k, parallel, head_dim, rope_theta
+        self.vocab_size = vocab_size
+        H = hidden_size
+        self.fc = nn.Linear(num_aux_layers * H, H, bias=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(i == 0, H, num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps, norm_before_residual)
+            for i in range(num_layers)
+        )
+        self.norm = RMSNorm(H, rms_norm_eps)
+        if parallel:  # the shared slot for depths 2..K (mask_hidden is 3H, before fc, as vLLM expects)
+            self.mask_embedding = nn.Parameter(torch.randn(H) * 0.02)
+            self.mask_hidden = nn.Parameter(torch.randn(num_aux_layers * H) * 0.02)
+        self.draft_vocab = None
+        if draft_vocab_size is not None and draft_vocab_size < vocab_size:
+            self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
+        self._shared: dict[str, nn.Module] = {}  # frozen target modules: NOT parameters of the head, not saved
+
+    # -- wiring --------------------------------------------------------------------------------
+    def attach_target(self, target, draft_vocab: DraftVocab | None = None) -> "PEagleDrafter":
+        """Share the target's frozen embedding (and LM head when the vocab is full); init a draft-vocab head."""
+        self._shared["embed"] = target.model.get_input_embeddings()
+        if hasattr(self, "d2t"):
+            if draft_vocab is not None:  # fresh head: maps + rows of the target LM head as a warm start
+                self.d2t.copy_(draft_vocab.d2t)
+                self.t2d.copy_(draft_vocab.t2d)
+                with torch.no_grad():
+                    self.lm_head.weight.copy_(target.model.get_output_embeddings().weight[draft_vocab.draft_ids])
+        else:
+            self._shared["lm_head"] = target.model.get_output_embeddings()
+        return self
+
+    @property
+    def draft_ids(self) -> Tensor | None:
+        """[N] target ids of the draft vocabulary (None = full vocabulary)."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t if hasattr(self, "d2t") else None
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self._shared["embed"](ids)
+
+    def logits(self, normed: Tensor) -> Tensor:
+        """[..., V_draft] (V_draft = V when the head uses the target's LM head)."""
+        head = self.lm_head if hasattr(self, "d2t") else self._shared["lm_head"]
+        return head(normed)
+
+    def full_vocab_logits(self, logits: Tensor) -> Tensor:
+        """Draft-vocab logits [..., N] -> target-vocab logits [..., V] (-inf outside the draft vocab)."""
+        if not hasattr(self, "d2t"):
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.draft_ids, logits)
+
+    # -- core ----------------------------------------------------------------------------------
+    def run_layers(self, embeds, hidden, positions, mask, past=None):
+        """embeds, hidden [B, N, H] -> prenorm output [B, N, H] and per-layer (k, v) of these N tokens."""
+        cos, sin = rotary(positions, self.head_dim, self.rope_theta)
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            hidden, kv = layer(embeds, hidden, cos, sin, mask, None if past is None else past[i])
+            new_kv.append(kv)
+        return hidden, new_kv
+
+    def slot_inputs(self, n: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """Parallel slots for depths 2..K: (mask embedding, fc(mask_hidden)), each [n, H]."""
+        H = self.fc.out_features
+        return self.mask_embedding.to(like.dtype).expand(n, H), self.fc(self.mask_hidden.to(like.dtype)).expand(n, H)
+
+    # -- training ------------------------------------------------------------------------------
+    def train_forward(self, batch: dict, plan) -> DraftTrainOutput:
+        """All anchors of the batch at once. `plan` (train.cod.CodPlan) says which (anchor, depth) tokens exist."""
+        ids, aux = batch["input_ids"], batch["aux_hidden"]  # [B, T], [B, T, nH]
+        B, T = ids.shape
+        d1 = plan.depth == 1  # [B, N]
+        a = plan.anchor.clamp(min=0)
+        next_ids = ids.gather(1, (a + 1).clamp(max=T - 1))  # token x_{t+1} for depth-1 slots
+        embeds = self.embed(next_ids)
+        hidden = self.fc(aux.gather(1, a[..., None].expand(-1, -1, aux.shape[-1])))
+        positions = a + plan.depth - 1
+        if self.parallel:
+            m_embed, m_hidden = self.slot_inputs(1, hidden)
+            embeds = torch.where(d1[..., None], embeds, m_embed)
+            hidden = torch.where(d1[..., None], hidden, m_hidden)
+            mask = draft_attention_mask(plan.anchor, plan.depth, plan.anchor, plan.depth, plan.valid)
+            prenorm, _ = self.run_layers(embeds, hidden, positions, mask)
+        else:  # training-time test: depth d reads depth d-1's output; tokens are the true ones (teacher forcing)
+            prenorm = torch.zeros_like(hidden)
+            past = None
+            for d in range(1, self.k + 1):
+                cols = plan.depth_columns(d)  # [n_d] columns of the plan holding depth d
+                if cols.numel() == 0:
+                    break
+                qa, qd = plan.anchor[:, cols], plan.depth[:, cols]
+                e = self.embed(ids.gather(1, (qa.clamp(min=0) + d).clamp(max=T - 1)))
+                pred = plan.predecessor[:, cols, None].clamp(min=0).expand(-1, -1, hidden.shape[-1])
+                h = hidden[:, cols] if d == 1 else prenorm.gather(1, pred)
+                seen = plan.columns_up_to(d)
+                mask = draft_attention_mask(qa, qd, plan.anchor[:, seen], plan.depth[:, seen], plan.valid[:, seen])
+                out, kv = self.run_layers(e, h, positions[:, cols], mask, past)
+                prenorm = prenorm.index_copy(1, cols, out)
+                past = kv if past is None else [(torch.cat([p[0], n[0]], 2), torch.cat([p[1], n[1]], 2)) for p, n in zip(past, kv)]
+        keep = plan.valid & plan.trained  # logits only where a label exists: [B, N, V] would not fit
+        b_idx = torch.arange(B, device=ids.device)[:, None].expand(B, plan.anchor.shape[1])
+        logits = self.logits(self.norm(prenorm[keep]))  # [n_kept, V_draft]
+        return DraftTrainOutput(logits, b_idx[keep], plan.anchor[keep], plan.depth[keep])
+
+    # -- inference -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def draft_logits(self, tokens: Tensor, aux: Tensor, cache: "DraftCache", k: int, sample_fn) -> Tensor:
+        """Logits [k, V_draft] for the k tokens after `tokens` [T]; aux [T-1, nH] are the target features of tokens[:-1].
+
+        `cache` holds depth-1 keys/values of committed anchors. Parallel: one forward (new context anchors + k-1
+        mask slots). Chain: k forwards, each feeding the sampled token (sample_fn(logits [V_draft]) -> id) back.
+        """
+        T = tokens.numel()
+        n_ctx = T - 1
+        start = cache.valid_prefix(tokens, n_ctx)
+        anchors = torch.arange(start, n_ctx, device=tokens.device)
+        embeds = self.embed(tokens[anchors + 1])
+        hidden = self.fc(aux[anchors].to(self.fc.weight.dtype))
+        depth = torch.ones_like(anchors)
+        last = n_ctx - 1
+        n_slots = k - 1 if self.parallel else 0
+        if n_slots > 0:
+            m_embed, m_hidden = self.slot_inputs(n_slots, hidden)
+            embeds, hidden = torch.cat([embeds, m_embed]), torch.cat([hidden, m_hidden])
+            anchors = torch.cat([anchors, anchors.new_full((n_slots,), last)])
+            depth = torch.cat([depth, torch.arange(2, k + 1, device=tokens.device)])
+        prenorm, kv = self._step(embeds, hidden, anchors, depth, cache)
+        n_new = n_ctx - start
+        cache.append(tokens, [(kk[:, :, :n_new], vv[:, :, :n_new]) for kk, vv in kv], n_ctx)
+        if self.parallel:
+            return self.logits(self.norm(prenorm[n_new - 1:]))  # depth 1 of the last anchor, then slots 2..k
+        out = [self.logits(self.norm(prenorm[n_new - 1]))]
+        h, extra = prenorm[n_new - 1:n_new], None
+        for d in range(2, k + 1):
+            tok = sample_fn(out[-1]).view(1)
+            a, dd = torch.tensor([last], device=tokens.device), torch.tensor([d], device=tokens.device)
+            h, kv = self._step(self.embed(tok), h, a, dd, cache, extra)
+            extra = kv if extra is None else [(torch.cat([p[0], n[0]], 2), torch.cat([p[1], n[1]], 2)) for p, n in zip(extra, kv)]
+            out.append(self.logits(self.norm(h[0])))
+        return torch.stack(out)
+
+    def _step(self, embeds, hidden, anchors, depth, cache, extra=None):
+        """Run [N] new tokens against the cached depth-1 keys (+ extra chain keys); returns prenorm [N, H], new kv."""
+        k_anchor, k_depth, past = cache.keys(extra, anchors.device)
+        k_anchor = torch.cat([k_anchor, anchors])[None]
+        k_depth = torch.cat([k_depth, depth])[None]
+        mask = draft_attention_mask(anchors[None], depth[None], k_anchor, k_depth, torch.ones_like(k_anchor, dtype=torch.bool))
+        prenorm, kv = self.run_layers(embeds[None], hidden[None], (anchors + depth - 1)[None], mask, past)
+        return prenorm[0], kv
+
+
+class DraftCache:
+    """Depth-1 keys/values of committed anchors for one request; reused while the context only grows."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.tokens = None  # [n+1] tokens the cached anchors read
+        self.kv = None  # per layer (k, v) [1, kvh, n, hd]
+        self.n = 0
+        self.chain_meta = None
+
+    def valid_prefix(self, tokens: Tensor, n_ctx: int) -> int:
+        """Keep the cached anchors whose inputs (token a+1) are unchanged, and at least one new anchor."""
+        if self.tokens is None:
+            return 0
+        m = min(self.n, n_ctx - 1, tokens.numel() - 1)
+        same = (tokens[: m + 1] == self.tokens[: m + 1]).long().cumprod(0)
+        m = max(0, int(same.sum()) - 1)  # anchor a stays valid while tokens[:a+2] match
+        if m == 0:
+            self.reset()
+            return 0
+        self.kv = [(k[:, :, :m], v[:, :, :m]) for k, v in self.kv]
+        self.n = m
+        return m
+
+    def append(self, tokens: Tensor, new_kv, n_ctx: int):
+        if self.kv is None:
+            self.kv = new_kv
+        else:
+            self.kv = [(torch.cat([p[0], n[0]], 2), torch.cat([p[1], n[1]], 2)) for p, n in zip(self.kv, new_kv)]
+        self.tokens, self.n = tokens[: n_ctx + 1].clone(), n_ctx
+
+    def keys(self, extra, device):
+        """(anchor [M], depth [M], per-layer past kv or None) for the cached context (+ chain extras)."""
+        anchor = torch.arange(self.n, device=device)
+        depth = torch.ones_like(anchor)
+        past = self.kv
+        if extra is not None:  # chain steps 2..d-1 of the last anchor
+            m = extra[0][0].shape[2]
+            anchor = torch.cat([anchor, anchor.new_full((m,), self.n - 1)])
+            depth = torch.cat([depth, torch.arange(2, 2 + m, device=device)])
+            past = [(torch.cat([p[0], e[0]], 2), torch.cat([p[1], e[1]], 2)) for p, e in zip(past, extra)]
+        return anchor, depth, past
+
+
+def peagle_for_target(target, k: int, num_layers: int = 1, parallel: bool = True,
+                      draft_vocab: DraftVocab | None = None, norm_before_residual: bool = False) -> PEagleDrafter:
+    """A fresh head sized from the target's config (heads, head dim, MLP width, RoPE theta as the target)."""
+    c = target.model.config
+    rope = getattr(c, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+    head = PEagleDrafter(
+        hidden_size=c.hidden_size, num_aux_layers=len(target.layer_ids), num_layers=num_layers,
+        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        intermediate_size=c.intermediate_size, vocab_size=target.vocab_size, k=k, parallel=parallel,
+        draft_vocab_size=None if draft_vocab is None else draft_vocab.size, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=float(theta), norm_before_residual=norm_before_residual,
+    )
+    return head.to(target.dtype).attach_target(target, draft_vocab)

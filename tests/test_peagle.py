@@ -1,0 +1,87 @@
+"""P-EAGLE head: alignment (no off-by-one), training == inference numerics, one forward for K tokens, COD counts."""
+
+import torch
+
+from models.peagle import peagle_for_target, DraftCache
+from train.cod import cod_plan, designed_count
+
+
+def features(target, T=12, B=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    out = target(ids)
+    return dict(input_ids=ids, aux_hidden=out.aux_hidden, final_hidden=out.final_hidden,
+                loss_mask=torch.ones(B, T, dtype=torch.bool), lengths=torch.full((B,), T))
+
+
+def test_cod_alignment_hand_built():
+    # one sequence of 6 tokens, K=3, no sampling: depth d of anchor t exists while token t+d+1 exists
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    plan = cod_plan(mask, torch.tensor([6]), k=3, decay=1.0)
+    got = sorted((int(a), int(d)) for a, d, t in zip(plan.anchor[0], plan.depth[0], plan.trained[0]) if t)
+    assert got == sorted([(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (1, 2), (2, 2), (0, 3), (1, 3)])
+    # label token index = anchor + depth + 1 is always a real token (< 6) and every deeper token has its predecessor
+    assert all(a + d + 1 < 6 for a, d in got)
+    for col in range(plan.anchor.shape[1]):
+        if plan.depth[0, col] > 1 and plan.valid[0, col]:
+            p = plan.predecessor[0, col]
+            assert plan.anchor[0, p] == plan.anchor[0, col] and plan.depth[0, p] == plan.depth[0, col] - 1
+    # loss mask: only token 5 trained -> only (anchor, depth) with anchor+depth+1 == 5 have labels
+    only5 = torch.zeros(1, 6, dtype=torch.bool)
+    only5[0, 5] = True
+    plan = cod_plan(only5, torch.tensor([6]), k=3, decay=1.0)
+    got = sorted((int(a), int(d)) for a, d, t in zip(plan.anchor[0], plan.depth[0], plan.trained[0]) if t)
+    assert got == [(1, 3), (2, 2), (3, 1)]  # each label t+d+1 == 5 once per depth
+
+
+def test_cod_keeps_designed_counts():
+    mask = torch.ones(3, 200, dtype=torch.bool)
+    plan = cod_plan(mask, torch.tensor([200, 200, 200]), k=5, decay=0.7, generator=torch.Generator().manual_seed(0))
+    for b in range(3):
+        per_depth = [int(((plan.depth[b] == d) & plan.valid[b]).sum()) for d in range(1, 6)]
+        assert per_depth == designed_count(199, 5, 0.7) == [199, 139, 98, 68, 48]
+
+
+def test_training_logits_equal_inference_logits(tiny_target):
+    torch.manual_seed(0)
+    batch = features(tiny_target, T=12, B=1)
+    for parallel in (True, False):
+        head = peagle_for_target(tiny_target, k=3, num_layers=2, parallel=parallel)
+        plan = cod_plan(batch["loss_mask"], batch["lengths"], k=3, decay=1.0)
+        out = head.train_forward(batch, plan)
+        ids, aux = batch["input_ids"][0], batch["aux_hidden"][0]
+        for t in (0, 4, 7):
+            # inference at context tokens[:t+2] (newest token x_{t+1}, features of tokens[:t+1]) drafts x_{t+2..t+4}
+            true_next = iter(ids[t + 2:].tolist())
+            inf = head.draft_logits(ids[: t + 2], aux[: t + 1], DraftCache(), 3,
+                                    sample_fn=lambda _logits: torch.tensor(next(true_next)))
+            for d in (1, 2, 3):
+                row = ((out.anchor == t) & (out.depth == d)).nonzero()
+                assert row.numel() == 1
+                torch.testing.assert_close(out.logits[row[0, 0]], inf[d - 1], atol=1e-5, rtol=1e-4)
+
+
+def test_cache_reuse_matches_fresh(tiny_target):
+    torch.manual_seed(0)
+    batch = features(tiny_target, T=16, B=1)
+    head = peagle_for_target(tiny_target, k=4, num_layers=1, parallel=True)
+    ids, aux = batch["input_ids"][0], batch["aux_hidden"][0]
+    cache = DraftCache()
+    for T in (5, 9, 10, 14, 7):  # grows, then a rollback to a shorter context
+        fresh = head.draft_logits(ids[:T], aux[: T - 1], DraftCache(), 4, None)
+        cached = head.draft_logits(ids[:T], aux[: T - 1], cache, 4, None)
+        torch.testing.assert_close(cached, fresh, atol=1e-5, rtol=1e-4)
+
+
+def test_parallel_head_drafts_k_tokens_in_one_forward(tiny_target):
+    batch = features(tiny_target, T=10, B=1)
+    head = peagle_for_target(tiny_target, k=5, num_layers=1, parallel=True)
+    calls = []
+    head.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    logits = head.draft_logits(batch["input_ids"][0], batch["aux_hidden"][0, :9], DraftCache(), 5, None)
+    assert logits.shape == (5, tiny_target.vocab_size) and len(calls) == 1
+    chain = peagle_for_target(tiny_target, k=5, num_layers=1, parallel=False)
+    calls.clear()
+    chain.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    chain.draft_logits(batch["input_ids"][0], batch["aux_hidden"][0, :9], DraftCache(), 5, lambda lg: lg.argmax())
+    assert len(calls) == 5
