@@ -56,7 +56,7 @@ U64 = np.uint64
 REC = np.dtype([("key", "<u8"), ("pair", "<u8"), ("pos", "<i8")])  # one spill record, 24 bytes
 THRESHOLDS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 SECTIONS = ("keys", "key_orders", "key_totals", "key_offsets", "entry_tokens", "entry_counts",
-            "corpus_tokens", "doc_offsets")
+            "corpus_tokens", "doc_offsets", "val_tokens", "val_offsets")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +179,8 @@ class DraftFile:
     # -- lookup -------------------------------------------------------------------------------
     def lookup(self, context) -> Candidates | None:
         """All candidates for one context (newest token last), longest matching order first; None if none."""
-        ctx = context.tolist() if hasattr(context, "tolist") else list(context)
+        tail = context[-self.orders[-1]:]
+        ctx = tail.tolist() if hasattr(tail, "tolist") else [int(t) for t in tail]
         n, keys, h = len(ctx), [], SEED
         for j in range(min(n, self.orders[-1])):  # Python ints: ~4x faster than numpy for 4 tokens
             h = ((h ^ (ctx[n - 1 - j] + 1)) * C1) & M64
@@ -338,28 +339,34 @@ class _TokenSink:
 
 def _records(tokens: np.ndarray, doc_offsets: np.ndarray, start: int, end: int, orders, max_len: int, pad: int):
     """Spill records for contexts ending at positions [start, end) of the token array (vectorised)."""
+    offs = doc_offsets.astype(np.int64)
+    lo, hi = max(0, start - max(orders) + 1), min(len(tokens), end + max_len)
+    window = np.asarray(tokens[lo:hi]).astype(np.int64)  # one read of the memmap; everything else is in memory
     pos = np.arange(start, end, dtype=np.int64)
-    doc = np.searchsorted(doc_offsets.astype(np.int64), pos, side="right") - 1
-    d0, d1 = doc_offsets.astype(np.int64)[doc], doc_offsets.astype(np.int64)[doc + 1]
+    doc = np.searchsorted(offs, pos, side="right") - 1
+    d0, d1 = offs[doc], offs[doc + 1]
+    cont = np.full(len(pos), SEED, dtype=U64)  # hash of the next max_len tokens (PAD past the document's end)
+    for c in range(1, max_len + 1):
+        cont = _step(cont, np.where(pos + c < d1, window[np.minimum(pos + c, hi - 1) - lo], pad))
     out, h = [], np.full(len(pos), SEED, dtype=U64)
     for j in range(max(orders)):
-        h = _step(h, tokens[np.maximum(pos - j, 0)].astype(np.int64))
+        h = _step(h, window[np.maximum(pos - j, lo) - lo])
         if j + 1 not in orders:
             continue
         ok = (pos - j >= d0) & (pos + 1 < d1)  # k tokens of context and >= 1 continuation token, same document
         key = _finish(h[ok], j + 1)
-        pair, p, e = key.copy(), pos[ok], d1[ok]
-        for c in range(1, max_len + 1):
-            t = np.where(p + c < e, tokens[np.minimum(p + c, len(tokens) - 1)].astype(np.int64), pad)
-            pair = _step(pair, t)
-        rec = np.empty(len(p), dtype=REC)
-        rec["key"], rec["pair"], rec["pos"] = key, _finish(pair, 0), p | ((j + 1) << 56)  # order in the top byte
-        out.append(rec)
+        rec = np.empty(int(ok.sum()), dtype=REC)
+        rec["key"], rec["pair"], rec["pos"] = key, _finish(_step(key, cont[ok]), 0), pos[ok] | ((j + 1) << 56)
+        out.append(rec)  # the order rides in the position's top byte
     return np.concatenate(out) if out else np.empty(0, dtype=REC)
 
 
 def _count_partition(rec: np.ndarray, tokens, doc_offsets, m: int, max_len: int, min_count: int, pad: int, tdt):
     """Top-m continuations per key with count >= min_count, from one partition's records."""
+    if not len(rec):
+        z = np.empty(0, np.int64)
+        return {"keys": z.astype(U64), "orders": z, "totals": z.astype(np.uint32), "n_entries": z,
+                "counts": z.astype(np.uint32), "tokens": np.empty((0, max_len), tdt)}
     pair, first, count = np.unique(rec["pair"], return_index=True, return_counts=True)
     key, pos = rec["key"][first], rec["pos"][first] & ((1 << 56) - 1)
     korder = rec["pos"][first] >> 56
@@ -403,6 +410,9 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
             offs = base.doc_offsets.astype(np.int64)
             for a, b in zip(offs[:-1], offs[1:]):
                 sink.add(base.corpus_tokens[a:b])
+            offs = base.val_offsets.astype(np.int64)
+            for a, b in zip(offs[:-1], offs[1:]):
+                val.add(base.val_tokens[a:b])
         n_docs = 0
         for ids, text in iter_token_docs(corpus or [], tokenizer):
             if len(ids) and int(ids.max()) >= vocab_size:
@@ -423,9 +433,10 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
 
         # 1. spill (key, pair, pos) records into partitions by the key's top bits (partition order = key order)
         n_rec = n_tokens * len(orders)
-        bits = max(0, math.ceil(math.log2(max(1.0, n_rec * REC.itemsize * 6 / (memory_mb << 20)))))
+        budget = max(int(memory_mb * 2**20), 1 << 16)  # bytes one partition may use while it is counted (~6x its records)
+        bits = min(16, max(0, math.ceil(math.log2(max(1.0, n_rec * REC.itemsize * 6 / budget)))))
         parts = [open(tmp / f"part{p:04d}.bin", "wb") for p in range(1 << bits)]
-        chunk = max(1 << 16, (memory_mb << 20) // (REC.itemsize * len(orders) * 8))
+        chunk = max(1 << 12, budget // (REC.itemsize * len(orders) * 8))
         for a in range(0, n_tokens, chunk):
             rec = _records(tokens, doc_offsets, a, min(n_tokens, a + chunk), orders, max_len, pad)
             part = (rec["key"] >> U64(64 - bits)).astype(np.int64) if bits else np.zeros(len(rec), np.int64)
@@ -468,8 +479,8 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
             "token_dtype": tdt.str, "sources": sources, "validation_fraction": validation,
             "validation": {"tokens": int(n_val), "curve": curve, "selected": selected},
         }
-        _write(out, header, stages, min_count, tokens if keep_corpus else None, doc_offsets if keep_corpus else None,
-               tdt, max_len)
+        stored = (tokens, doc_offsets, vtokens, val_offsets) if keep_corpus else None
+        _write(out, header, stages, min_count, stored, tdt, max_len)
     f = DraftFile(out)
     report = {"tokens": int(n_tokens), "validation_tokens": int(n_val), "keys": f.n_keys, "entries": f.n_entries,
               "file_bytes": f.header["file_bytes"], "table_bytes": f.header["table_bytes"], "min_count": min_count,
@@ -480,8 +491,7 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
 
 def coverage_curve(stages, vtokens, val_offsets, orders, max_len, tdt, max_positions: int = 200_000) -> list[dict]:
     """Per min-count threshold: table size and, on validation positions, hit rate and top-1 first-token coverage."""
-    n_keys = np.array([[(s["counts"][np.r_[0, np.cumsum(s["n_entries"])[:-1]]] >= c).sum() if len(s["keys"]) else 0
-                        for s in stages] for c in THRESHOLDS]).sum(1)
+    n_keys = np.array([[(s["counts"][_firsts(s)] >= c).sum() for s in stages] for c in THRESHOLDS]).sum(1)
     n_ent = np.array([sum(int((s["counts"] >= c).sum()) for s in stages) for c in THRESHOLDS])
     entry_bytes = max_len * tdt.itemsize + 4
     sizes = n_keys * (8 + 1 + 4 + 8) + n_ent * entry_bytes
@@ -504,7 +514,7 @@ def coverage_curve(stages, vtokens, val_offsets, orders, max_len, tdt, max_posit
     for s in stages:
         if not len(s["keys"]):
             continue
-        first = np.r_[0, np.cumsum(s["n_entries"])[:-1]]
+        first = _firsts(s)
         at = np.minimum(s["keys"].searchsorted(keys), len(s["keys"]) - 1)
         hit = (s["keys"][at] == keys) & (keys != 0)
         top_count = np.where(hit, s["counts"][first[at]], top_count)
@@ -525,22 +535,23 @@ def coverage_curve(stages, vtokens, val_offsets, orders, max_len, tdt, max_posit
     return curve
 
 
-def _write(out: Path, header: dict, stages, min_count: int, tokens, doc_offsets, tdt, max_len: int) -> None:
+def _write(out: Path, header: dict, stages, min_count: int, stored, tdt, max_len: int) -> None:
     """Filter the stages at min_count and write the file: header, then aligned sections, checksums last."""
     kept = []
     for s in stages:
-        first = np.r_[0, np.cumsum(s["n_entries"])[:-1]].astype(np.int64)
+        first = _firsts(s)
         ok_e = s["counts"] >= min_count  # a prefix of each key's entries (sorted by count)
         n_e = np.add.reduceat(ok_e.astype(np.int64), first) if len(first) else np.empty(0, np.int64)
         ok_k = n_e > 0
         kept.append((s, ok_e, ok_k, n_e[ok_k]))
     K = sum(int(k.sum()) for _, _, k, _ in kept)
     E = sum(int(e.sum()) for _, e, _, _ in kept)
-    N = 0 if tokens is None else len(tokens)
-    D = 0 if doc_offsets is None else len(doc_offsets) - 1
+    tokens, doc_offsets, vtokens, val_offsets = stored or (np.empty(0, tdt), np.zeros(1, np.uint64)) * 2
+    N, D, NV, DV = len(tokens), len(doc_offsets) - 1, len(vtokens), len(val_offsets) - 1
     shapes = {"keys": ("<u8", [K]), "key_orders": ("|u1", [K]), "key_totals": ("<u4", [K]),
               "key_offsets": ("<u8", [K + 1]), "entry_tokens": (tdt.str, [E, max_len]), "entry_counts": ("<u4", [E]),
-              "corpus_tokens": (tdt.str, [N]), "doc_offsets": ("<u8", [D + 1] if doc_offsets is not None else [0])}
+              "corpus_tokens": (tdt.str, [N]), "doc_offsets": ("<u8", [D + 1]),
+              "val_tokens": (tdt.str, [NV]), "val_offsets": ("<u8", [DV + 1])}
     # layout needs the header length; it depends on offsets only through their digits, so iterate to a fixpoint
     header["sections"], hlen = {}, 0
     for _ in range(4):
@@ -551,7 +562,7 @@ def _write(out: Path, header: dict, stages, min_count: int, tokens, doc_offsets,
             sections[name] = [pos, dt, shape]
             pos = _align(pos + int(np.prod(shape)) * np.dtype(dt).itemsize)
         header.update(sections=sections, body_start=body_start, file_bytes=pos, n_keys=K, n_entries=E,
-                      corpus_tokens=N, documents=D,
+                      corpus_tokens=N, documents=D, validation_documents=DV,
                       table_bytes=sections["corpus_tokens"][0] - body_start)
         raw = json.dumps(header, sort_keys=True).encode()
         if len(raw) == hlen:
@@ -573,17 +584,24 @@ def _write(out: Path, header: dict, stages, min_count: int, tokens, doc_offsets,
         for s, e, k, _ in kept:
             s["orders"][k].astype(np.uint8).tofile(f)
         put("key_offsets", np.r_[0, np.cumsum(np.concatenate([n for *_, n in kept]) if K else [])])
-        if tokens is not None:
-            f.seek(sections["corpus_tokens"][0])
-            for a in range(0, N, 1 << 24):
-                np.asarray(tokens[a: a + (1 << 24)]).tofile(f)
-            put("doc_offsets", doc_offsets)
+        f.seek(sections["corpus_tokens"][0])
+        for a in range(0, N, 1 << 24):
+            np.asarray(tokens[a: a + (1 << 24)]).tofile(f)
+        put("doc_offsets", doc_offsets)
+        put("val_tokens", vtokens)
+        put("val_offsets", val_offsets)
     with open(out, "r+b") as f:
         mm = mmap.mmap(f.fileno(), 0)
         body_crc = _crc_range(mm, header["body_start"], header["file_bytes"])
         mm.close()
         f.seek(0)
         f.write(PREFIX.pack(MAGIC, VERSION, len(raw), zlib.crc32(raw), body_crc) + raw)
+
+
+def _firsts(stage: dict) -> np.ndarray:
+    """Index of each key's first (best) entry in a stage."""
+    n = stage["n_entries"].astype(np.int64)
+    return np.cumsum(n) - n
 
 
 def _align(n: int) -> int:
