@@ -129,9 +129,9 @@ def draft_attention_mask(q_anchor, q_depth, k_anchor, k_depth, k_valid) -> Tenso
 
 @dataclass
 class DraftTrainOutput:
-    """What the trainer needs from any drafter: logits and where each row's label lives."""
+    """What the trainer needs from any drafter: per-row hidden states and where each row's label lives."""
 
-    logits: Tensor  # [N, V_draft]
+    hidden: Tensor  # [N, H]; drafter.logits_for(hidden, depth) -> [N, V_draft]
     batch_index: Tensor  # [N] sequence in the batch
     anchor: Tensor  # [N] anchor t: the label is the target's distribution at row t + depth (token t + depth + 1)
     depth: Tensor  # [N] 1..K
@@ -139,6 +139,7 @@ class DraftTrainOutput:
 
 class PEagleDrafter(nn.Module):
     family = "peagle"
+    feature = "aux_hidden"  # which DraftContext features draft_logits reads
 
     def __init__(self, hidden_size: int, num_aux_layers: int, num_layers: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, intermediate_size: int, vocab_size: int, k: int, parallel: bool = True,
@@ -169,12 +170,16 @@ class PEagleDrafter(nn.Module):
             self.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
         self._shared: dict[str, nn.Module] = {}  # frozen target modules: NOT parameters of the head, not saved
 
+    @property
+    def family_name(self) -> str:
+        return "peagle" if self.parallel else "eagle3"
+
     # -- wiring --------------------------------------------------------------------------------
-    def attach_target(self, target, draft_vocab: DraftVocab | None = None) -> "PEagleDrafter":
-        """Share the target's frozen embedding (and LM head when the vocab is full); init a draft-vocab head."""
+    def attach_target(self, target, draft_vocab: DraftVocab | None = None, fresh: bool = False) -> "PEagleDrafter":
+        """Share the target's frozen embedding (and LM head when the vocab is full); init a fresh draft-vocab head."""
         self._shared["embed"] = target.model.get_input_embeddings()
         if hasattr(self, "d2t"):
-            if draft_vocab is not None:  # fresh head: maps + rows of the target LM head as a warm start
+            if fresh and draft_vocab is not None:  # fresh head: maps + rows of the target LM head as a warm start
                 self.d2t.copy_(draft_vocab.d2t)
                 self.t2d.copy_(draft_vocab.t2d)
                 with torch.no_grad():
@@ -251,10 +256,13 @@ class PEagleDrafter(nn.Module):
                 out, kv = self.run_layers(e, h, positions[:, cols], mask, past)
                 prenorm = prenorm.index_copy(1, cols, out)
                 past = kv if past is None else [(torch.cat([p[0], n[0]], 2), torch.cat([p[1], n[1]], 2)) for p, n in zip(past, kv)]
-        keep = plan.valid & plan.trained  # logits only where a label exists: [B, N, V] would not fit
+        keep = plan.valid & plan.trained  # rows with a label; logits are made later, in chunks ([N, V] is large)
         b_idx = torch.arange(B, device=ids.device)[:, None].expand(B, plan.anchor.shape[1])
-        logits = self.logits(self.norm(prenorm[keep]))  # [n_kept, V_draft]
-        return DraftTrainOutput(logits, b_idx[keep], plan.anchor[keep], plan.depth[keep])
+        return DraftTrainOutput(self.norm(prenorm[keep]), b_idx[keep], plan.anchor[keep], plan.depth[keep])
+
+    def logits_for(self, hidden: Tensor, depth: Tensor) -> Tensor:
+        """hidden [N, H] from train_forward -> logits [N, V_draft]."""
+        return self.logits(hidden)
 
     # -- inference -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -363,4 +371,4 @@ def peagle_for_target(target, k: int, num_layers: int = 1, parallel: bool = True
         draft_vocab_size=None if draft_vocab is None else draft_vocab.size, rms_norm_eps=c.rms_norm_eps,
         rope_theta=float(theta), norm_before_residual=norm_before_residual,
     )
-    return head.to(target.dtype).attach_target(target, draft_vocab)
+    return head.to(target.dtype).attach_target(target, draft_vocab, fresh=True)

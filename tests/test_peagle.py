@@ -58,7 +58,7 @@ def test_training_logits_equal_inference_logits(tiny_target):
             for d in (1, 2, 3):
                 row = ((out.anchor == t) & (out.depth == d)).nonzero()
                 assert row.numel() == 1
-                torch.testing.assert_close(out.logits[row[0, 0]], inf[d - 1], atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(head.logits_for(out.hidden, out.depth)[row[0, 0]], inf[d - 1], atol=1e-5, rtol=1e-4)
 
 
 def test_cache_reuse_matches_fresh(tiny_target):

@@ -1,0 +1,96 @@
+"""The ONE draft checkpoint format (every drafter family): a directory with
+
+  config.json           family, constructor sizes (K, layers, draft vocab size...), target fingerprint
+                        (name, vocab, hidden size, layer ids, tokenizer hash, hidden-state convention)
+  model.safetensors     the head's own tensors (shared frozen target embedding / LM head are NOT stored;
+                        d2t / t2d draft-vocab maps are)
+  resolved_config.yaml  the composed Hydra config the head was trained with
+  metrics.json          final training metrics
+
+`load_draft(dir, target)` refuses a head built for another target (vocab, hidden size, tokenizer, layer ids).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.errors import DraftheadsError
+from models.medusa import MedusaHeads
+from models.peagle import PEagleDrafter
+
+FORMAT = "draftheads-draft"
+FORMAT_VERSION = 1
+FAMILIES = {"peagle": PEagleDrafter, "eagle3": PEagleDrafter, "medusa": MedusaHeads}
+CHECKED_KEYS = ("vocab_size", "hidden_size", "tokenizer_hash", "layer_ids")
+
+
+def save_draft(head, out_dir, target, resolved_config: str | None = None, metrics: dict | None = None) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "family": head.family_name,
+        "k": head.k,
+        "sizes": head.config,
+        "feature": head.feature,
+        "target": target.fingerprint,
+        "hidden_state_convention": target.fingerprint["hidden_state_convention"],
+        "draft_vocab": None if getattr(head, "draft_ids", None) is None
+        else {"size": int(head.d2t.numel()), "maps": "d2t (target id = i + d2t[i]), t2d in model.safetensors"},
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    save_file(state, out / "model.safetensors")
+    if resolved_config is not None:
+        (out / "resolved_config.yaml").write_text(resolved_config)
+    (out / "metrics.json").write_text(json.dumps(metrics or {}, indent=2))
+    return out
+
+
+def read_draft_config(directory) -> dict:
+    d = Path(directory)
+    if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
+        raise DraftheadsError(f"'{d}' is not a draft checkpoint (needs config.json and model.safetensors); "
+                              "pass the directory written by training (out_dir/head)")
+    config = json.loads((d / "config.json").read_text())
+    if config.get("format") != FORMAT or config.get("format_version", 0) > FORMAT_VERSION:
+        raise DraftheadsError(f"'{d}/config.json' is not a draftheads draft v<={FORMAT_VERSION} "
+                              f"(format={config.get('format')!r}, version={config.get('format_version')!r}); "
+                              "re-export it with this version of draftheads")
+    if config["family"] not in FAMILIES:
+        raise DraftheadsError(f"draft checkpoint '{d}' has family '{config['family']}'; known: {sorted(FAMILIES)}")
+    return config
+
+
+def load_draft(directory, target, device=None):
+    """The head in eval mode, attached to `target`'s frozen embedding / LM head. Refuses a foreign target."""
+    config = read_draft_config(directory)
+    target.check_fingerprint(config["target"], f"draft head '{directory}'", keys=CHECKED_KEYS)
+    head = FAMILIES[config["family"]](**config["sizes"])
+    state = load_file(Path(directory) / "model.safetensors")
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise DraftheadsError(f"draft checkpoint '{directory}' does not match its config.json "
+                              f"(missing {missing[:4]}, unexpected {unexpected[:4]}); the file is damaged, retrain or re-save it")
+    head = head.to(device=device or target.device, dtype=target.dtype).attach_target(target)
+    return head.eval().requires_grad_(False)
+
+
+def build_draft(family: str, target, k: int, num_layers: int = 1, parallel: bool = True, draft_vocab=None,
+                share_lm_head: bool = True):
+    """A fresh head of `family` sized for `target` (flat parameters; the trainer maps cfg.draft onto these)."""
+    from models.medusa import medusa_for_target
+    from models.peagle import peagle_for_target
+
+    if family in ("peagle", "eagle3"):
+        return peagle_for_target(target, k, num_layers, parallel=parallel and family == "peagle", draft_vocab=draft_vocab)
+    if family == "medusa":
+        if draft_vocab is not None:
+            raise DraftheadsError("draft.family=medusa does not support draft.draft_vocab_size; leave it null")
+        return medusa_for_target(target, k, num_layers, share_lm_head)
+    raise DraftheadsError(f"draft.family '{family}' is not trainable here; pick one of {sorted(FAMILIES)}")
