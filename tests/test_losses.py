@@ -1,0 +1,46 @@
+"""Loss module: zeros on equal distributions, TV = 1 - sum min(p, q), temperature, position weights."""
+
+import math
+
+import pytest
+import torch
+
+from models.errors import DraftheadsError
+from train.losses import distill_loss, forward_kl, position_weights, reverse_kl, token_ce, total_variation
+
+
+def test_equal_distributions_give_zero():
+    logits = torch.randn(5, 50)
+    for kind in ("fkl", "rkl", "tv", "lk"):
+        torch.testing.assert_close(distill_loss(kind, logits, logits.clone(), 0.7), torch.zeros(5), atol=1e-6, rtol=0)
+
+
+def test_tv_is_one_minus_overlap_and_kl_by_hand():
+    p = torch.tensor([[0.5, 0.3, 0.2]])
+    q = torch.tensor([[0.2, 0.2, 0.6]])
+    tv = total_variation(p.log(), q.log())
+    assert float(tv) == pytest.approx(1 - (0.2 + 0.2 + 0.2)) == pytest.approx(0.5 * float((p - q).abs().sum()))
+    kl = sum(pi * math.log(pi / qi) for pi, qi in zip(p[0].tolist(), q[0].tolist()))
+    assert float(forward_kl(p.log(), q.log())) == pytest.approx(kl, rel=1e-5)
+    assert float(reverse_kl(p.log(), q.log())) == pytest.approx(float(forward_kl(q.log(), p.log())), rel=1e-6)
+    # lk mixes them
+    assert float(distill_loss("lk", p.log(), q.log(), tv_weight=0.25)) == pytest.approx(0.75 * kl + 0.25 * 0.4, rel=1e-5)
+
+
+def test_temperature_applies_to_both_softmaxes():
+    p, q = torch.randn(4, 30), torch.randn(4, 30)
+    torch.testing.assert_close(forward_kl(p, q, temperature=2.0), forward_kl(p / 2, q / 2))
+    assert (forward_kl(p, q, 100.0) < forward_kl(p, q, 1.0)).all()  # high T flattens both towards uniform
+
+
+def test_position_weights_and_ce():
+    depth = torch.tensor([1, 2, 3])
+    torch.testing.assert_close(position_weights(depth, "exp", 2.0), torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)]))
+    assert position_weights(depth, "none", 2.0).tolist() == [1.0, 1.0, 1.0]
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]])
+    ce = token_ce(logits, torch.tensor([1, -1]))
+    assert ce.tolist() == pytest.approx([-math.log(0.75), 0.0])
+    with pytest.raises(DraftheadsError, match="position_weighting"):
+        position_weights(depth, "linear", 2.0)
+    with pytest.raises(DraftheadsError, match="train.loss 'mse'"):
+        distill_loss("mse", logits, logits)
