@@ -28,6 +28,7 @@ tok [E, L] (PAD-filled), entry_counts u32 [E], corpus_tokens tok [N], doc_offset
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import mmap
@@ -316,9 +317,10 @@ def _tokenize(texts: list[str], tokenizer):
             yield np.asarray(ids, dtype=np.int64), text
 
 
-def is_validation(text: str, fraction: float) -> bool:
+def is_validation(text: str | bytes, fraction: float) -> bool:
     """Held-out split by content hash: independent of corpus order, batching and merging."""
-    return fraction > 0 and zlib.crc32(text.encode()) % 10_000 < fraction * 10_000
+    data = text.encode() if isinstance(text, str) else text
+    return fraction > 0 and zlib.crc32(data) % 10_000 < fraction * 10_000
 
 
 class _TokenSink:
@@ -389,8 +391,11 @@ def _count_partition(rec: np.ndarray, tokens, doc_offsets, m: int, max_len: int,
 def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: str, vocab_size: int,
           orders=(1, 2, 3, 4), continuations: int = 4, max_len: int = 8, min_count: int = 2,
           coverage: float | None = None, validation: float = 0.02, keep_corpus: bool = True,
-          memory_mb: int = 1024, base: DraftFile | None = None, log=print) -> dict:
-    """Build a draft file from corpora (and `base`'s stored corpus first, for merge); returns the build report."""
+          memory_mb: int = 1024, base: DraftFile | None = None, token_docs: Iterable | None = None,
+          log=print) -> dict:
+    """Build a draft file from corpora (and `base`'s stored corpus first, for merge); returns the build report.
+
+    `token_docs`: documents already tokenized (e.g. regenerated outputs as id lists), counted after the corpora."""
     from models.target import tokenizer_hash
 
     t0 = time.perf_counter()
@@ -414,11 +419,12 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
             for a, b in zip(offs[:-1], offs[1:]):
                 val.add(base.val_tokens[a:b])
         n_docs = 0
-        for ids, text in iter_token_docs(corpus or [], tokenizer):
+        pretokenized = ((np.asarray(d, dtype=np.int64), None) for d in token_docs or [])
+        for ids, text in itertools.chain(iter_token_docs(corpus or [], tokenizer), pretokenized):
             if len(ids) and int(ids.max()) >= vocab_size:
                 raise DraftheadsError(f"tokenizer produced id {int(ids.max())} >= vocab size {vocab_size}; "
                                       "pass the target whose tokenizer this is (--target)")
-            (val if is_validation(text, validation) else sink).add(ids)
+            (val if is_validation(text if text is not None else ids.tobytes(), validation) else sink).add(ids)
             n_docs += 1
             if n_docs % 5000 == 0:
                 log(f"[draft_file] tokenized {n_docs} documents, {sink.offsets[-1]:,} tokens")

@@ -1,0 +1,132 @@
+"""Draft-file source: in-context prompt lookup first, then the DFlash draft file, with confidences.
+
+Prompt lookup wins when the current context repeats itself (an n-gram of >= `prompt_min_ngram`
+tokens occurred earlier: copied code, quoted text, repetition loops); otherwise the file's longest
+matching order proposes its best continuation, and when that runs out before k tokens the file is
+asked again with the drafted tokens appended (a chain walk). Drafts are point masses (probs=None),
+which the lossless rejection rule handles at any temperature.
+
+Confidence of draft token j = count of the key's continuations sharing the first j draft tokens /
+count sharing the first j-1 (the key's total occurrences for j = 1): an estimate of
+P(token j accepted | tokens < j accepted) under the corpus distribution.
+
+`tree=True` returns the key's continuations merged into a token tree (Draft.parents), the k nodes of
+highest path probability; the default `tree=False` returns the best chain, which the chain verifier takes.
+
+Registry (one line in inference/sources/__init__.py):
+    SOURCES["draft_file"] = "inference.sources.draft_file:draft_file_source"
+Spec: "draft_file:PATH" or "draft_file:PATH,tree=1,prompt_min_ngram=2,prompt_lookup=0".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.draft_file import Candidates, DraftFile
+from inference.sampling import SamplingConfig
+from inference.sources.base import Draft, DraftContext
+from inference.sources.prompt_lookup import PromptLookup
+
+
+class DraftFileSource:
+    name = "draft_file"
+    needs_features = False
+
+    def __init__(self, file: DraftFile | str | Path, target=None, prompt_lookup: bool = True,
+                 prompt_max_ngram: int = 3, prompt_min_ngram: int = 2, tree: bool = False):
+        self.file = file if isinstance(file, DraftFile) else DraftFile(file)
+        if target is not None:
+            self.file.check_target(target)
+        self.prompt = PromptLookup(max_ngram=prompt_max_ngram, min_ngram=prompt_min_ngram) if prompt_lookup else None
+        self.tree = tree
+        self.window = max(self.file.orders)
+        self.stats = {"prompt": 0, "file": 0, "none": 0}  # which part answered each propose()
+
+    def reset(self) -> None:
+        if self.prompt is not None:
+            self.prompt.reset()
+
+    def propose(self, ctx: DraftContext, k: int, sampling: SamplingConfig) -> Draft:
+        if k <= 0:
+            return Draft(tokens=torch.empty(0, dtype=torch.long))
+        if self.prompt is not None:
+            draft = self.prompt.propose(ctx, k, sampling)
+            if draft.size:
+                self.stats["prompt"] += 1
+                return draft
+        tail = ctx.tokens[-self.window:].tolist()
+        draft = self._tree(tail, k) if self.tree else self._chain(tail, k)
+        self.stats["file" if draft.size else "none"] += 1
+        return draft
+
+    def _chain(self, tail: list[int], k: int) -> Draft:
+        tokens: list[int] = []
+        confidences: list[float] = []
+        while len(tokens) < k:
+            c = self.file.lookup(tail + tokens)
+            if c is None:
+                break
+            best = [t for t in c.tokens[0].tolist() if t >= 0][: k - len(tokens)]
+            confidences += _chain_confidences(c, best)
+            tokens += best
+        return Draft(tokens=torch.tensor(tokens, dtype=torch.long),
+                     confidences=torch.tensor(confidences, dtype=torch.float32) if tokens else None)
+
+    def _tree(self, tail: list[int], k: int) -> Draft:
+        c = self.file.lookup(tail)
+        if c is None:
+            return Draft(tokens=torch.empty(0, dtype=torch.long))
+        # trie of the continuations: node = (parent, token), count = occurrences of that prefix
+        index: dict[tuple[int, int], int] = {}
+        parent, token, count = [], [], []
+        for row, n in zip(c.tokens.tolist(), c.counts.tolist()):
+            node = -1
+            for t in row:
+                if t < 0:
+                    break
+                if (node, t) not in index:
+                    index[(node, t)] = len(token)
+                    parent.append(node), token.append(t), count.append(0)
+                node = index[(node, t)]
+                count[node] += n
+        cond = [count[i] / (count[parent[i]] if parent[i] >= 0 else c.total) for i in range(len(token))]
+        path = []
+        for i in range(len(token)):  # parents come before children in insertion order
+            path.append(cond[i] * (path[parent[i]] if parent[i] >= 0 else 1.0))
+        # a child's path probability never exceeds its parent's, so the top-k set is a tree; ties keep insertion order
+        keep = sorted(sorted(range(len(token)), key=lambda i: (-path[i], i))[:k])
+        new_id = {old: j for j, old in enumerate(keep)}
+        return Draft(tokens=torch.tensor([token[i] for i in keep], dtype=torch.long),
+                     confidences=torch.tensor([cond[i] for i in keep], dtype=torch.float32),
+                     parents=torch.tensor([new_id[parent[i]] if parent[i] >= 0 else -1 for i in keep], dtype=torch.long))
+
+
+def _chain_confidences(c: Candidates, chain: list[int]) -> list[float]:
+    """P(chain[j] | chain[:j]) from the counts of the key's continuations sharing that prefix."""
+    out, prev = [], float(c.total)
+    rows = c.tokens[:, : len(chain)]  # [m, len]
+    alive = np.ones(len(rows), dtype=bool)
+    for j, t in enumerate(chain):
+        alive &= rows[:, j] == t
+        n = float(c.counts[alive].sum())
+        out.append(n / prev if prev > 0 else 0.0)
+        prev = n
+    return out
+
+
+def draft_file_source(arg: str | None, target) -> DraftFileSource:
+    """Registry factory: 'PATH' or 'PATH,tree=1,prompt_lookup=0,prompt_min_ngram=2,prompt_max_ngram=3'."""
+    from inference.sources import parse_kwargs
+    from models.errors import DraftheadsError
+
+    path, _, rest = (arg or "").partition(",")
+    if not path:
+        raise DraftheadsError("draft source 'draft_file' needs a file: write draft_file:PATH.dfl "
+                              "(build one with `python -m data.draft_file build`)")
+    kw = parse_kwargs(rest, f"draft_file:{arg}", {"tree": int, "prompt_lookup": int, "prompt_min_ngram": int,
+                                                  "prompt_max_ngram": int})
+    return DraftFileSource(path, target=target, **{k: bool(v) if k in ("tree", "prompt_lookup") else v
+                                                   for k, v in kw.items()})
