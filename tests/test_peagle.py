@@ -85,3 +85,21 @@ def test_parallel_head_drafts_k_tokens_in_one_forward(tiny_target):
     chain.layers[0].register_forward_hook(lambda *a: calls.append(1))
     chain.draft_logits(batch["input_ids"][0], batch["aux_hidden"][0, :9], DraftCache(), 5, lambda lg: lg.argmax())
     assert len(calls) == 5
+
+
+def test_head_source_is_lossless_in_the_reference_loop(tiny_target, tmp_path):
+    """Greedy speculative decoding with a (random) head as the source equals plain greedy, parallel and chain."""
+    from inference.generate import generate_plain, speculative_generate
+    from inference.sampling import SamplingConfig
+    from inference.sources.draft_head import head_source
+    from models.checkpoint import save_draft
+
+    prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3))
+    plain = generate_plain(tiny_target, prompt, 12, SamplingConfig(), eos_ids=[])
+    for parallel in (True, False):
+        save_draft(peagle_for_target(tiny_target, k=3, parallel=parallel), tmp_path / str(parallel), tiny_target)
+        src = head_source(str(tmp_path / str(parallel)), tiny_target)
+        res = speculative_generate(tiny_target, src, prompt, 12, 3, SamplingConfig(), eos_ids=[])
+        assert res.tokens == plain
+        sampled = speculative_generate(tiny_target, src, prompt, 12, 3, SamplingConfig(temperature=0.9), eos_ids=[])
+        assert len(sampled.tokens) == 12

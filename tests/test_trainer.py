@@ -129,3 +129,33 @@ def test_draft_vocab_head_trains_and_maps(tiny_target, tmp_path):
     assert ids.numel() == 64 and torch.equal(ids, torch.arange(64) + head.d2t) and int(head.t2d.sum()) == 64
     seen = torch.cat([f["input_ids"][f["loss_mask"]] for f in feats]).unique()
     assert set(seen.tolist()) <= set(ids.tolist())  # fewer than 64 distinct trained tokens: all of them are in
+
+
+def test_trained_head_raises_tau(peaked_target, tmp_path):
+    """soft_label training -> head:DIR source -> tau in the reference loop beats the untrained head."""
+    from inference.generate import generate_plain, speculative_generate
+    from inference.sampling import SamplingConfig
+    from inference.sources.draft_head import head_source
+    from models.checkpoint import save_draft
+    from models.peagle import peagle_for_target
+    from train.trainer import train_draft
+
+    # like real data: the target's own (regenerated) continuations of random prompts, loss on the continuation
+    feats = []
+    for i in range(12):
+        prompt = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(100 + i))
+        cont = generate_plain(peaked_target, prompt, 32, SamplingConfig(temperature=1.0), seed=i, eos_ids=[])
+        ids = torch.cat([prompt, torch.tensor(cont)])
+        out = peaked_target(ids[None])
+        feats.append({"input_ids": ids, "loss_mask": torch.arange(len(ids)) >= 8,
+                      "aux_hidden": out.aux_hidden[0], "final_hidden": out.final_hidden[0]})
+    save_draft(peagle_for_target(peaked_target, k=3), tmp_path / "untrained", peaked_target)
+    trained = train_draft(make_cfg(tmp_path / "run", steps=100, log_every=10, checkpoint_every=100), peaked_target, feats, tmp_path / "run")
+    taus = {}
+    for name, d in (("untrained", tmp_path / "untrained"), ("trained", trained)):
+        src = head_source(str(d), peaked_target)
+        res = [speculative_generate(peaked_target, src, f["input_ids"][:10], 24, 3, SamplingConfig(), eos_ids=[])
+               for f in feats[:4]]
+        taus[name] = sum(len(r.tokens) for r in res) / sum(r.n_verify for r in res)
+    print("tau", taus)
+    assert taus["trained"] > 3.0 > 1.2 > taus["untrained"], taus  # K=3: tau <= 4
