@@ -1,0 +1,66 @@
+"""Speculators export: layout vLLM reads, and lossless round trip (export -> reload -> identical logits)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.checkpoint import save_draft, load_draft
+from models.draft_vocab import DraftVocab
+from models.errors import DraftheadsError
+from models.export import export_speculators, import_speculators
+from models.peagle import DraftCache, peagle_for_target
+
+
+def _randomise(head):
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return head
+
+
+@pytest.mark.parametrize("parallel,vocab", [(True, None), (False, None), (True, 100)])
+def test_round_trip_is_lossless(tiny_target, tmp_path, parallel, vocab):
+    dv = None if vocab is None else DraftVocab(torch.randperm(259, generator=torch.Generator().manual_seed(1))[:vocab].sort().values, 259)
+    head = _randomise(peagle_for_target(tiny_target, k=4, num_layers=2, parallel=parallel, draft_vocab=dv))
+    save_draft(head, tmp_path / "head", tiny_target)
+    out = export_speculators(tmp_path / "head", tiny_target, tmp_path / "spec", mask_token_id=258)
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(out / "model.safetensors")
+    H = tiny_target.hidden_size
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(tiny_target.layer_ids)
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert tensors["fc.weight"].shape == (H, 3 * H)
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * H  # [embed; hidden]
+    assert "layers.0.hidden_norm.weight" in tensors and "layers.1.hidden_norm.weight" not in tensors
+    assert tensors["lm_head.weight"].shape == ((vocab or 259), H)
+    assert not any(k.startswith("model.") for k in tensors)
+    if vocab:
+        assert config["draft_vocab_size"] == vocab and tensors["d2t"].dtype == torch.int64
+        assert torch.equal(torch.arange(vocab) + tensors["d2t"], dv.draft_ids) and int(tensors["t2d"].sum()) == vocab
+    if parallel:
+        assert config["parallel_drafting"] is True and config["mask_token_id"] == 258
+        assert tensors["mask_hidden"].shape == (3 * H,)
+        assert torch.equal(tensors["embed_tokens.weight"][258], head.mask_embedding.detach())
+    else:
+        assert "parallel_drafting" not in config and "mask_hidden" not in tensors
+
+    back = import_speculators(out, tiny_target)
+    ids = torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(2))
+    aux = tiny_target(ids[None]).aux_hidden[0, :13]
+    sample = lambda lg: lg.argmax()  # noqa: E731
+    want = load_draft(tmp_path / "head", tiny_target).draft_logits(ids, aux, DraftCache(), 4, sample)
+    got = back.draft_logits(ids, aux, DraftCache(), 4, sample)
+    assert torch.equal(got, want)
+
+
+def test_export_refuses_medusa(tiny_target, tmp_path):
+    from models.medusa import medusa_for_target
+
+    save_draft(medusa_for_target(tiny_target, k=2), tmp_path / "m", tiny_target)
+    with pytest.raises(DraftheadsError, match="medusa head"):
+        export_speculators(tmp_path / "m", tiny_target, tmp_path / "out")
