@@ -341,51 +341,58 @@ class _TokenSink:
 
 def _records(tokens: np.ndarray, doc_offsets: np.ndarray, start: int, end: int, orders, max_len: int, pad: int):
     """Spill records for contexts ending at positions [start, end) of the token array (vectorised)."""
-    offs = doc_offsets.astype(np.int64)
-    lo, hi = max(0, start - max(orders) + 1), min(len(tokens), end + max_len)
-    window = np.asarray(tokens[lo:hi]).astype(np.int64)  # one read of the memmap; everything else is in memory
+    offs, W, n = doc_offsets.astype(np.int64), max(orders), end - start
+    lo, hi = max(0, start - W + 1), min(len(tokens), end + max_len)
+    # window[W - 1 + i] = token at position start + i; PAD-filled beyond the array so every shift is a slice
+    window = np.full(n + W - 1 + max_len, pad, dtype=np.int64)
+    window[lo - (start - W + 1): lo - (start - W + 1) + hi - lo] = tokens[lo:hi]
     pos = np.arange(start, end, dtype=np.int64)
-    doc = np.searchsorted(offs, pos, side="right") - 1
+    i0, i1 = np.searchsorted(offs, [start, end - 1], side="right") - 1  # documents overlapping the chunk
+    doc = np.repeat(np.arange(i0, i1 + 1), np.diff(np.clip(offs[i0: i1 + 2], start, end)))
     d0, d1 = offs[doc], offs[doc + 1]
-    cont = np.full(len(pos), SEED, dtype=U64)  # hash of the next max_len tokens (PAD past the document's end)
+    cont = np.full(n, SEED, dtype=U64)  # hash of the next max_len tokens (PAD past the document's end)
     for c in range(1, max_len + 1):
-        cont = _step(cont, np.where(pos + c < d1, window[np.minimum(pos + c, hi - 1) - lo], pad))
-    out, h = [], np.full(len(pos), SEED, dtype=U64)
-    for j in range(max(orders)):
-        h = _step(h, window[np.maximum(pos - j, lo) - lo])
+        cont = _step(cont, np.where(pos + c < d1, window[W - 1 + c: W - 1 + c + n], pad))
+    out, h = [], np.full(n, SEED, dtype=U64)
+    for j in range(W):
+        h = _step(h, window[W - 1 - j: W - 1 - j + n])
         if j + 1 not in orders:
             continue
         ok = (pos - j >= d0) & (pos + 1 < d1)  # k tokens of context and >= 1 continuation token, same document
         key = _finish(h[ok], j + 1)
-        rec = np.empty(int(ok.sum()), dtype=REC)
+        rec = np.empty(len(key), dtype=REC)
         rec["key"], rec["pair"], rec["pos"] = key, _finish(_step(key, cont[ok]), 0), pos[ok] | ((j + 1) << 56)
         out.append(rec)  # the order rides in the position's top byte
     return np.concatenate(out) if out else np.empty(0, dtype=REC)
 
 
 def _count_partition(rec: np.ndarray, tokens, doc_offsets, m: int, max_len: int, min_count: int, pad: int, tdt):
-    """Top-m continuations per key with count >= min_count, from one partition's records."""
-    if not len(rec):
-        z = np.empty(0, np.int64)
-        return {"keys": z.astype(U64), "orders": z, "totals": z.astype(np.uint32), "n_entries": z,
-                "counts": z.astype(np.uint32), "tokens": np.empty((0, max_len), tdt)}
-    pair, first, count = np.unique(rec["pair"], return_index=True, return_counts=True)
-    key, pos = rec["key"][first], rec["pos"][first] & ((1 << 56) - 1)
-    korder = rec["pos"][first] >> 56
-    order = np.lexsort((pair, -count, key))  # key asc, count desc, ties by pair hash (deterministic)
-    key, pos, count, korder = key[order], pos[order], count[order], korder[order]
-    new = np.r_[True, key[1:] != key[:-1]]
+    """Top-m continuations per key with count >= min_count, and every key's total, from one partition's records."""
+    o = np.argsort(rec["pair"])  # quicksort: deterministic for a given input, 3x faster than a stable sort
+    ps = rec["pair"][o]
+    starts = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]]) if len(ps) else np.empty(0, np.int64)
+    count = np.diff(np.r_[starts, len(ps)])  # occurrences of each distinct (key, continuation)
+    first = o[starts]
+    live = count >= min_count  # pruning first keeps the (key, count) sort small
+    key, count_k, pos_raw = rec["key"][first[live]], count[live], rec["pos"][first[live]]
+    order = np.lexsort((-count_k, key))  # key asc, count desc; stable, so ties stay in pair-hash order
+    key, count_k, pos_raw = key[order], count_k[order], pos_raw[order]
+    new = np.r_[True, key[1:] != key[:-1]] if len(key) else np.empty(0, bool)
     group_start = np.flatnonzero(new)
     gid = np.cumsum(new) - 1
-    totals = np.add.reduceat(count, group_start) if len(key) else np.empty(0, np.int64)
-    keep = (np.arange(len(key)) - group_start[gid] < m) & (count >= min_count)
-    key_kept = np.unique(gid[keep])
-    d1 = doc_offsets.astype(np.int64)[np.searchsorted(doc_offsets.astype(np.int64), pos[keep], side="right")]
-    idx = pos[keep][:, None] + 1 + np.arange(max_len)[None, :]  # [E, L]
+    keep = np.arange(len(key)) - group_start[gid] < m
+    keys = key[group_start]
+    seen, occurrences = np.unique(rec["key"], return_counts=True)  # a plain sort: fast
+    totals = occurrences[np.searchsorted(seen, keys)]
+    pos = pos_raw[keep] & ((1 << 56) - 1)
+    offs = doc_offsets.astype(np.int64)
+    d1 = offs[np.searchsorted(offs, pos, side="right")]
+    idx = pos[:, None] + 1 + np.arange(max_len)[None, :]  # [E, L]
     ent_tokens = np.where(idx < d1[:, None], tokens[np.minimum(idx, len(tokens) - 1)], pad).astype(tdt)
-    return {"keys": key[group_start][key_kept], "orders": korder[group_start][key_kept], "totals": totals[key_kept].astype(np.uint32),
-            "n_entries": np.bincount(gid[keep], minlength=len(group_start))[key_kept],
-            "counts": count[keep].astype(np.uint32), "tokens": ent_tokens}
+    return {"keys": keys, "orders": (pos_raw[group_start] >> 56).astype(np.int64),
+            "totals": np.minimum(totals, 0xFFFFFFFF).astype(np.uint32),
+            "n_entries": np.bincount(gid[keep], minlength=len(keys)).astype(np.int64),
+            "counts": count_k[keep].astype(np.uint32), "tokens": ent_tokens.reshape(-1, max_len)}
 
 
 def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: str, vocab_size: int,
@@ -459,7 +466,10 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
         for p in range(len(parts)):
             rec = np.fromfile(tmp / f"part{p:04d}.bin", dtype=REC)
             os.remove(tmp / f"part{p:04d}.bin")
-            stages.append(_count_partition(rec, tokens, doc_offsets, continuations, max_len, floor, pad, tdt))
+            stage = _count_partition(rec, tokens, doc_offsets, continuations, max_len, floor, pad, tdt)
+            for name, arr in stage.items():  # counted partitions wait on disk too: memory stays one partition
+                np.save(tmp / f"stage{p:04d}_{name}.npy", arr)
+            stages.append({name: np.load(tmp / f"stage{p:04d}_{name}.npy", mmap_mode="r") for name in stage})
             del rec
         t_count = time.perf_counter() - t0 - t_tok
 
@@ -645,13 +655,22 @@ def inspect(f: DraftFile, tokenizer, text: str) -> list[dict]:
             for row, n in zip(c.tokens, c.counts)]
 
 
-def _load_tokenizer(name_or_path: str):
-    """(tokenizer, fingerprint name, vocab size) of a target given by built-in name or path."""
-    from models.target import load_target
+def load_tokenizer(name_or_path: str):
+    """(tokenizer, target name, vocab size) of a target by built-in name or path, without loading its weights."""
+    from models.target import TINY_TARGET, resolve_target_dir
+
+    if name_or_path == TINY_TARGET:
+        from models.tiny_tokenizer import tiny_byte_tokenizer
+
+        tok = tiny_byte_tokenizer()
+        return tok, name_or_path, len(tok)
+    from transformers import AutoTokenizer
 
     p = Path(name_or_path).expanduser()
-    target = load_target(p.name, path=str(p)) if p.exists() else load_target(name_or_path)
-    return target.tokenizer, target.name, target.vocab_size
+    name, path = (p.name, str(p)) if p.exists() else (name_or_path, None)
+    directory = resolve_target_dir(name, path)
+    vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True), name, vocab
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -686,7 +705,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.cmd == "stats":
             print(json.dumps(stats(DraftFile(args.file))))
             return
-        tokenizer, name, vocab = _load_tokenizer(args.target)
+        tokenizer, name, vocab = load_tokenizer(args.target)
         if args.cmd == "inspect":
             f = DraftFile(args.file)
             f.check_tokenizer(tokenizer)

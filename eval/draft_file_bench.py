@@ -1,0 +1,183 @@
+"""Draft-file benchmark: build throughput and memory, file size, coverage, lookup latency, hot/cold hit rates, tau.
+
+    # build + lookup on >= 20M tokens (Python stdlib .py files + ShareGPT chats), a few minutes on 2 cores:
+    python -m eval.draft_file_bench --out outputs/draft_file/big.dfl --sharegpt-records 40000
+    # a small slice while developing:
+    python -m eval.draft_file_bench --out outputs/draft_file/small.dfl --stdlib-max-files 200 --sharegpt-records 500
+    # tau on HumanEval (code) and MT-bench (chat), K = 4 and 8, prompt lookup alone vs file + prompt lookup:
+    python -m eval.draft_file_bench --tau-only --out outputs/draft_file/big.dfl --tau-limit 8 --max-new 64
+
+The corpora are written to one JSONL of {"text": ...} (stdlib, without site-packages and tests) plus a JSONL
+slice of ShareGPT records (rendered with the chat template by data.readers.iter_documents), so the slice
+size is explicit. Prints progress, then ONE JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.draft_file import DraftFile, build, load_tokenizer, stats
+
+STDLIB = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def write_corpora(work: Path, stdlib: Path, max_files: int | None, sharegpt_records: int) -> list[str]:
+    """stdlib .py files as {"text"} JSONL (site-packages and tests left out) and a ShareGPT slice as JSONL."""
+    from data.readers import ReadStats, iter_json_array, sharegpt_path
+
+    work.mkdir(parents=True, exist_ok=True)
+    paths = []
+    files = sorted(p for p in stdlib.rglob("*.py") if not {"site-packages", "test", "tests"} & set(p.parts))
+    with open(work / "stdlib.jsonl", "w") as f:
+        for p in files[:max_files]:
+            try:
+                text = p.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            if text.strip():  # data.readers.iter_documents raises KeyError on {"text": ""}
+                f.write(json.dumps({"text": text}) + "\n")
+    paths.append(str(work / "stdlib.jsonl"))
+    if sharegpt_records:
+        with open(work / "sharegpt.jsonl", "w") as f:
+            for i, rec in enumerate(iter_json_array(sharegpt_path(), ReadStats())):
+                if i >= sharegpt_records:
+                    break
+                f.write(json.dumps(rec) + "\n")
+        paths.append(str(work / "sharegpt.jsonl"))
+    return paths
+
+
+def validation_contexts(f: DraftFile, n: int, seed: int = 0) -> np.ndarray:
+    """Contexts [n, W] (newest last, -1 = before the document start) at random validation positions."""
+    toks, offs = f.val_tokens.astype(np.int64), f.val_offsets.astype(np.int64)
+    if len(toks) < 2:
+        toks, offs = f.corpus_tokens.astype(np.int64), f.doc_offsets.astype(np.int64)  # fall back: seen text
+    W = max(f.orders)
+    pos = np.random.default_rng(seed).integers(0, len(toks) - 1, size=n)
+    start = offs[np.searchsorted(offs, pos, side="right") - 1]
+    idx = pos[:, None] - np.arange(W - 1, -1, -1)[None, :]
+    return np.where(idx >= start[:, None], toks[np.maximum(idx, 0)], -1)
+
+
+def latency(f: DraftFile, ctx: np.ndarray, batch: int = 64, repeats: int = 2000) -> dict:
+    single_ctx = [row[row >= 0] for row in ctx[:repeats]]
+    for c in single_ctx[:100]:  # warm the page cache and the code paths
+        f.lookup(c)
+    single = []
+    for c in single_ctx:
+        t = time.perf_counter()
+        f.lookup(c)
+        single.append(time.perf_counter() - t)
+    batched = []
+    for i in range(0, min(len(ctx), repeats * 4) - batch + 1, batch):
+        t = time.perf_counter()
+        f.lookup_batch(ctx[i: i + batch])
+        batched.append(time.perf_counter() - t)
+    us = lambda xs, q: round(float(np.percentile(xs, q)) * 1e6, 2)  # noqa: E731
+    return {"single_p50_us": us(single, 50), "single_p99_us": us(single, 99),
+            f"batch{batch}_p50_us": us(batched, 50), f"batch{batch}_p99_us": us(batched, 99),
+            f"batch{batch}_p50_us_per_context": round(us(batched, 50) / batch, 2)}
+
+
+def hot_cold(path: Path, ctx: np.ndarray, fractions=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0), device="cpu") -> list[dict]:
+    rows = []
+    for x in fractions:
+        f = DraftFile(path, verify=False)
+        placed = f.place_hot(x, device)
+        rows.append({**placed, **f.hot_hit_rate(ctx)})
+    return rows
+
+
+def tau(path: Path, limit: int, max_new: int, ks=(4, 8), threads: int = 2) -> dict:
+    """tau per prompt set, K and source; through eval.acceptance.measure (the same loop as its CLI)."""
+    from data.readers import read_humaneval
+    from eval.acceptance import load_prompts, measure
+    from inference.sampling import SamplingConfig
+    from inference.sources.draft_file import DraftFileSource
+    from inference.sources.prompt_lookup import PromptLookup
+    from models.target import load_target
+
+    torch.set_num_threads(threads)
+    target = load_target()
+    bench = Path(__file__).resolve().parents[2] / "shared" / "bench" / "spec_bench_dev.jsonl"
+    sets = {"humaneval": list(read_humaneval())[:limit],
+            "mt_bench": load_prompts(bench, categories=["mt_bench"], limit=limit)}
+    sources = {"prompt_lookup": lambda: PromptLookup(),
+               "draft_file+prompt_lookup": lambda: DraftFileSource(path, target=target)}
+    out = {}
+    for set_name, prompts in sets.items():
+        for k in ks:
+            for name, make in sources.items():
+                source = make()
+                tallies = measure(target, source, prompts, k, SamplingConfig(), max_new, progress=False)
+                tokens = sum(t.tokens for t in tallies.values())
+                rounds = sum(t.rounds for t in tallies.values())
+                drafted = sum(t.drafted for t in tallies.values())
+                row = {"tau": round(tokens / max(rounds, 1), 3), "mean_draft_len": round(drafted / max(rounds, 1), 2),
+                       "tokens": tokens, "rounds": rounds}
+                if hasattr(source, "stats"):
+                    row["answered_by"] = dict(source.stats)
+                out[f"{set_name}/k{k}/{name}"] = row
+                print(json.dumps({f"{set_name}/k{k}/{name}": row}), file=sys.stderr)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m eval.draft_file_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="outputs/draft_file/bench.dfl")
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--stdlib", default=str(STDLIB))
+    ap.add_argument("--stdlib-max-files", type=int, default=None)
+    ap.add_argument("--sharegpt-records", type=int, default=40000)
+    ap.add_argument("--coverage", type=float, default=None, help="size the table for this validation coverage")
+    ap.add_argument("--min-count", type=int, default=2)
+    ap.add_argument("--memory-mb", type=int, default=1024)
+    ap.add_argument("--contexts", type=int, default=8192, help="validation contexts for latency / hot-cold")
+    ap.add_argument("--tau", action="store_true", help="also measure tau with SmolLM2 (minutes)")
+    ap.add_argument("--tau-only", action="store_true", help="skip the build, measure tau with an existing --out")
+    ap.add_argument("--tau-limit", type=int, default=8, help="prompts per set")
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    result = {"bench": "draft_file"}
+    if not args.tau_only:
+        tokenizer, name, vocab = load_tokenizer(args.target)
+        corpora = write_corpora(out.parent / "corpora", Path(args.stdlib), args.stdlib_max_files, args.sharegpt_records)
+        rss0 = rss_mb()
+        report = build(corpora, tokenizer, out, target_name=name, vocab_size=vocab, min_count=args.min_count,
+                       coverage=args.coverage, memory_mb=args.memory_mb,
+                       log=lambda m: print(m, file=sys.stderr, flush=True))
+        result["build"] = {**{k: v for k, v in report.items() if k != "selected"},
+                           "tokens_per_s": round(report["tokens"] / report["total_s"]),
+                           "peak_rss_mb": round(rss_mb()), "rss_before_build_mb": round(rss0)}
+        f = DraftFile(out)
+        s = stats(f)
+        result["file"] = {k: s[k] for k in ("keys", "entries", "file_bytes", "table_bytes", "min_count",
+                                            "val_hit_rate", "val_coverage", "per_order")}
+        result["coverage_curve"] = [{k: c[k] for k in ("min_count", "table_bytes", "hit_rate", "coverage")}
+                                    for c in f.header["validation"]["curve"]]
+        ctx = validation_contexts(f, args.contexts)
+        result["latency_cpu"] = latency(f, ctx)
+        result["hot_cold"] = hot_cold(out, ctx)
+        print(json.dumps({k: result[k] for k in ("build", "latency_cpu")}), file=sys.stderr)
+    if args.tau or args.tau_only:
+        result["tau"] = tau(out, args.tau_limit, args.max_new, threads=max(args.threads, 2))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
