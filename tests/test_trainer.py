@@ -159,3 +159,41 @@ def test_trained_head_raises_tau(peaked_target, tmp_path):
         taus[name] = sum(len(r.tokens) for r in res) / sum(r.n_verify for r in res)
     print("tau", taus)
     assert taus["trained"] > 3.0 > 1.2 > taus["untrained"], taus  # K=3: tau <= 4
+
+
+def test_rl_objective_pieces():
+    from train.rl import exact_accepted, expected_accepted
+
+    assert expected_accepted(torch.tensor([[1.0, 0.5, 0.5], [0.0, 1.0, 1.0]])).tolist() == [1.75, 0.0]
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.3, 0.2, 0.9], [0.3, 0.0, 0.9]])
+    assert exact_accepted(p, p.clone(), g).tolist() == [3, 1]  # q = p always accepts; p = 0 always rejects
+    # acceptance frequency of one token = min(1, p/q)
+    many = exact_accepted(torch.full((20000, 1), 0.2), torch.full((20000, 1), 0.5), g).float().mean()
+    assert float(many) == pytest.approx(0.4, abs=0.02)
+
+
+def test_two_stage_run_and_rl_resume(peaked_target, tmp_path):
+    from train.trainer import train_draft
+
+    feats = tiny_features(peaked_target)
+    cfg = lambda d: make_cfg(d, steps=10, rl_steps=6, rl_lr=1e-3, checkpoint_every=3, stages=["soft_label", "rl"],  # noqa: E731
+                             rl_max_context=30)
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    train_draft(cfg(full), peaked_target, feats, full)
+    rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == list(range(1, 7))
+    assert {"reward", "expected_accepted", "alpha_1", "alpha_3"} <= set(rl[-1])
+    assert 0 <= rl[-1]["expected_accepted"] <= 3 and 0 <= rl[-1]["alpha_1"] <= 1
+    stage1 = load_draft(full / "head_soft_label", peaked_target).state_dict()
+    final = load_draft(full / "head", peaked_target).state_dict()
+    assert any(not torch.equal(stage1[k], final[k]) for k in stage1)
+    # killed in stage 2 after its step 4 (checkpoint at 3), rerun: stage 1 is skipped, stage 2 resumes exactly
+    train_draft(cfg(killed), peaked_target, feats, killed, stop_at_step=4)
+    train_draft(cfg(killed), peaked_target, feats, killed)
+    rl_b = [json.loads(x) for x in (killed / "metrics.jsonl").read_text().splitlines()]
+    rl_b = [r for r in rl_b if r["stage"] == "rl"]
+    assert [r["step"] for r in rl_b] == list(range(1, 7))
+    for a, b in zip(rl, rl_b):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
