@@ -80,7 +80,7 @@ class TrainConfig:
     cod_decay: float = 0.7  # COD sampling: depth d keeps ~ n * decay**d positions
     temperature: TemperatureConfig = field(default_factory=TemperatureConfig)
     rl_kl_weight: float = 0.1  # KL anchor to the stage-1 head
-    rl_pg_weight: float = 0.1  # REINFORCE term on the exact-rule accepted length (with a running-mean baseline)
+    rl_pg_weight: float = 0.1  # REINFORCE term on the exact-rule accepted length (leave-one-out batch baseline)
     rl_max_context: int = 256  # RL: context tokens the target re-reads per block (keeps the online forward cheap)
     checkpoint_every: int = 50
     log_every: int = 10
