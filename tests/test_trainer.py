@@ -1,6 +1,7 @@
 """Trainer: loss goes down, the target stays frozen, resume after a kill reproduces the curve, checkpoints."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from omegaconf import OmegaConf
 
 from conf.schema import Config
 from models.checkpoint import load_draft
+from models.draft_vocab import DraftVocab
 from models.errors import DraftheadsError
 
 
@@ -197,3 +199,26 @@ def test_two_stage_run_and_rl_resume(peaked_target, tmp_path):
     assert [r["step"] for r in rl_b] == list(range(1, 7))
     for a, b in zip(rl, rl_b):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+DRAFTS = sorted(p.stem for p in (CONF / "draft").glob("*.yaml"))
+TRAINS = sorted(p.stem for p in (CONF / "train").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_every_draft_config_composes_and_builds(tiny_target, draft):
+    from hydra import compose, initialize_config_dir
+
+    from conf.schema import register_configs
+    from models.checkpoint import build_draft
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for train in TRAINS:
+            cfg = compose(config_name="config", overrides=[f"draft={draft}", f"train={train}", "target=tiny"])
+            assert cfg.train.stages
+    d = cfg.draft
+    vocab = None if d.draft_vocab_size is None else DraftVocab(torch.arange(200), tiny_target.vocab_size)
+    head = build_draft(d.family, tiny_target, d.k, d.num_layers, d.parallel, vocab, d.share_lm_head)
+    assert head.family_name == d.family and head.k == d.k
