@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inference.kv_cache import StaticKVCache
+from models.errors import DraftheadsError
 from models.target import Target, TargetOutput
 
 
@@ -22,15 +23,34 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """LlamaRMSNorm: statistics in float32, scale in the input dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 class LlamaForward:
     def __init__(self, target: Target):
         self.target = target
         hf = target.model.model
         cfg = target.model.config
-        self.layers = hf.layers
-        self.norm = hf.norm
+        if getattr(cfg, "hidden_act", "silu") != "silu" or cfg.model_type not in ("llama", "mistral", "qwen2"):
+            raise DraftheadsError(f"the runtime's compact forward covers Llama-style models (silu MLP); target "
+                                  f"'{target.name}' is '{cfg.model_type}' with {cfg.hidden_act}; use inference.generate")
+        # plain references to the target's parameters (no copy); module calls cost ~10 us each on CPU
+        self.layers = [
+            (layer.input_layernorm.weight, layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+             layer.self_attn.o_proj, layer.post_attention_layernorm.weight, layer.mlp.gate_proj,
+             layer.mlp.up_proj, layer.mlp.down_proj)
+            for layer in hf.layers
+        ]
+        self.layers = [tuple((m.weight, m.bias) if isinstance(m, torch.nn.Linear) else m for m in ws)
+                       for ws in self.layers]
+        self.eps = cfg.rms_norm_eps
+        self.norm_weight = hf.norm.weight
         self.rotary = hf.rotary_emb  # the target's own RoPE (theta, scaling type) -> exact cos/sin
-        self.embed_tokens = hf.embed_tokens
+        self.embed_weight = hf.embed_tokens.weight
         self.lm_head_module = target.model.get_output_embeddings()
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
@@ -42,18 +62,22 @@ class LlamaForward:
         return StaticKVCache(self.num_layers, batch_size, self.kv_heads, self.head_dim, max_len,
                              dtype=self.target.dtype, device=self.target.device, static=static)
 
-    def _attention(self, layer: int, attn, x: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache,
+    def _attention(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache,
                    rows: Tensor, slots: Tensor, span: int, mask: Tensor) -> Tensor:
+        _, q_proj, k_proj, v_proj, o_proj = self.layers[layer][:5]
         B, T, _ = x.shape
-        q = attn.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
-        k = attn.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
-        v = attn.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
-        q = q * cos + rotate_half(q) * sin
+        q = F.linear(x, *q_proj).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
+        k = F.linear(x, *k_proj).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
+        v = F.linear(x, *v_proj).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin  # cos, sin [B, 1, T, hd]
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer, k, v, rows, slots, span)  # [B, kvh, S, hd]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.num_heads)
-        return attn.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        return F.linear(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim), *o_proj)
+
+    def _mlp(self, layer: int, x: Tensor) -> Tensor:
+        gate, up, down = self.layers[layer][6:]
+        return F.linear(F.silu(F.linear(x, *gate)) * F.linear(x, *up), *down)
 
     @torch.no_grad()
     def forward(
@@ -74,16 +98,17 @@ class LlamaForward:
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril().expand(B, T, T)
         positions = slots if position_offsets is None else cache.lengths[rows][:, None] + position_offsets
         mask = cache.attention_mask(rows, slots, tree_mask, span)  # [B, 1, T, S]
-        h = self.embed_tokens(input_ids)  # [B, T, H]
+        h = F.embedding(input_ids, self.embed_weight)  # [B, T, H]
         cos, sin = self.rotary(h, positions)  # [B, T, hd]
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd], broadcast over heads
         captured = {}
-        for i, layer in enumerate(self.layers):
+        for i, weights in enumerate(self.layers):
             if i in self.layer_ids:
                 captured[i] = h
-            h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), cos, sin, cache, rows, slots, span, mask)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self._attention(i, rms_norm(h, weights[0], self.eps), cos, sin, cache, rows, slots, span, mask)
+            h = h + self._mlp(i, rms_norm(h, weights[5], self.eps))
         captured[self.num_layers] = h  # last layer output, pre-norm (layer id L)
-        final = self.norm(h)  # [B, T, H]
+        final = rms_norm(h, self.norm_weight, self.eps)  # [B, T, H]
         aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # [B, T, n*H]
         logits = None
         if compute_logits:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from inference.generate import _truncate, eos_token_ids
+from inference.kernels import accept_greedy_batched
 from inference.llama import LlamaForward
 from inference.sampling import SamplingConfig
 from inference.schedulers import FixedK, VerifyCost, plan_groups
@@ -237,10 +238,17 @@ class Runtime:
         lengths = self.cache.lengths[rows].tolist()
         out = self.forward(ids.to(self.device), self.cache, tree_mask=masks.to(self.device),
                            position_offsets=offsets.to(self.device) if any_tree else None, rows=rows)
+        if sampling.greedy and not any_tree:  # all chains: one batched acceptance, one host sync
+            lens = torch.tensor([drafts[b].size for b in members])
+            n_acc, nxt_tok = accept_greedy_batched(ids[:, 1:].to(self.device), lens, out.logits)
+            chain = list(zip(n_acc.tolist(), nxt_tok.tolist()))
         results = []
         for r, b in enumerate(members):
             d = drafts[b]
-            path, nxt = accept_tree(d, out.logits[r, : 1 + d.size], sampling, gen)
+            if sampling.greedy and not any_tree:
+                path, nxt = list(range(chain[r][0])), chain[r][1]
+            else:
+                path, nxt = accept_tree(d, out.logits[r, : 1 + d.size], sampling, gen)
             kept = torch.tensor([0] + [i + 1 for i in path], device=self.device)  # input rows that stay
             if d.parents is not None:
                 self.cache.compact(b, lengths[r] + kept, lengths[r])

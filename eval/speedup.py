@@ -1,0 +1,207 @@
+"""Speedup benchmark: tokens/s of plain vs speculative decoding in the same runtime, plus HF baselines.
+
+    python -m eval.speedup --target smollm2-135m-instruct --source prompt_lookup \
+        --prompts ../shared/bench/spec_bench_dev.jsonl --max-new 64 --temperature 0 --limit 8 --check-lossless
+
+Rows: `plain` (our runtime, no source), `spec` (our runtime + source), `hf_generate` (transformers
+`generate`, batch 1) and `hf_prompt_lookup` (`generate(prompt_lookup_num_tokens=K)`, batch 1). Every
+request generates exactly --max-new tokens (EOS ignored), the first prompt of each mode is a warm-up,
+times are medians over --repeats; tokens/s = new tokens / wall time (prefill included). Prompts are the
+first user turn in the target's chat template; batches are formed inside a category. Also reported:
+tau, acceptance per position, the cost of verifying n tokens vs 1 (profiled), KV-cache bytes.
+--check-lossless (temperature 0) exits 1 if any speculative output differs from plain greedy.
+Prints a per-category table, then ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from eval.acceptance import chat_prompt_ids, load_prompts
+from inference.runtime import Runtime, RuntimeStats
+from inference.sampling import SamplingConfig
+from inference.schedulers import DynamicK
+from inference.sources import build_source
+from models.errors import DraftheadsError
+from models.target import DEFAULT_TARGET, load_target
+
+MODES = ("plain", "spec", "hf_generate", "hf_prompt_lookup")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=DEFAULT_TARGET)
+    ap.add_argument("--target-path", default=None)
+    ap.add_argument("--source", default="prompt_lookup", help="build_source spec: prompt_lookup, draft_file:PATH, head:DIR")
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--categories", default=None, help="comma list (alias mt_bench)")
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--k", type=int, default=4, help="draft length (start value with --dynamic-k)")
+    ap.add_argument("--dynamic-k", action="store_true", help="sliding-window K schedule (max --k-max)")
+    ap.add_argument("--k-max", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--compile", action="store_true", help="CUDA: torch.compile(mode='reduce-overhead') (CUDA graphs)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    ap.add_argument("--check-lossless", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def hf_generate(target, prompt: list[int], max_new: int, sampling: SamplingConfig, lookup_k: int | None, seed: int):
+    ids = torch.tensor([prompt], device=target.device)
+    kwargs = dict(max_new_tokens=max_new, min_new_tokens=max_new, attention_mask=torch.ones_like(ids),
+                  pad_token_id=target.tokenizer.pad_token_id or 0)
+    if sampling.greedy:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+    if lookup_k:
+        kwargs["prompt_lookup_num_tokens"] = lookup_k
+    torch.manual_seed(seed)
+    out = target.model.generate(ids, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def timed(fn):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    result = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> tuple[dict, bool]:
+    torch.set_num_threads(args.threads)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise DraftheadsError(f"--modes {','.join(unknown)} unknown; pick from {','.join(MODES)}")
+    if args.check_lossless and args.temperature > 0:
+        raise DraftheadsError("--check-lossless compares with plain greedy decoding; use it with --temperature 0")
+    target = load_target(args.target, path=args.target_path, dtype=args.dtype, device=args.device)
+    source = build_source(args.source, target)
+    sampling = SamplingConfig(temperature=args.temperature)
+    records = load_prompts(args.prompts, args.categories.split(",") if args.categories else None, args.limit)
+    tok = target.tokenizer
+    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": r["turns"][0]}]) for r in records]
+
+    by_cat = defaultdict(list)
+    for r, p in zip(records, prompts):
+        by_cat[r["category"]].append(p)
+    batches = [(cat, ps[i:i + args.batch]) for cat, ps in by_cat.items() for i in range(0, len(ps), args.batch)]
+    max_len = max(map(len, prompts)) + args.max_new + 2 * max(args.k, args.k_max) + 2
+    rt = Runtime(target, max_len=max_len, batch_size=args.batch, compile=args.compile)
+    cost = rt.profile_cost(sizes=(1, 2, 4, 8, 16))
+    schedule = (lambda: DynamicK(k=args.k, k_max=args.k_max)) if args.dynamic_k else None
+
+    def once(mode: str, batch: list[list[int]], stats: RuntimeStats | None):
+        if mode in ("plain", "spec"):
+            g = rt.generate(batch, args.max_new, source=source if mode == "spec" else None, sampling=sampling,
+                            k=args.k, schedule=schedule, seed=args.seed, ignore_eos=True)
+            if stats is not None:
+                _merge(stats, g.stats)
+            return g.tokens
+        lookup = args.k if mode == "hf_prompt_lookup" else None
+        return [hf_generate(target, p, args.max_new, sampling, lookup, args.seed) for p in batch]
+
+    for mode in modes:  # warm-up: allocator, caches, first-call overheads
+        once(mode, batches[0][1][:1], None)
+    times = {m: defaultdict(list) for m in modes}  # mode -> batch index -> seconds per repeat
+    outputs = {m: {} for m in modes}
+    spec_stats, cat_stats = RuntimeStats(), defaultdict(RuntimeStats)
+    for rep in range(args.repeats):
+        for bi, (cat, batch) in enumerate(batches):
+            for mode in modes:
+                st = RuntimeStats() if (mode == "spec" and rep == 0) else None
+                toks, sec = timed(lambda: once(mode, batch, st))
+                times[mode][bi].append(sec)
+                if rep == 0:
+                    outputs[mode][bi] = toks
+                if st is not None:
+                    _merge(spec_stats, st)
+                    _merge(cat_stats[cat], st)
+            print(f"[speedup] repeat {rep} batch {bi + 1}/{len(batches)} ({cat}) "
+                  + " ".join(f"{m}={times[m][bi][-1]:.2f}s" for m in modes), file=sys.stderr)
+
+    n_tokens = [len(b) * args.max_new for _, b in batches]
+    med = {m: [statistics.median(times[m][bi]) for bi in range(len(batches))] for m in modes}
+    tps = {m: round(sum(n_tokens) / sum(med[m]), 2) for m in modes}
+    per_cat = {}
+    for cat in by_cat:
+        idx = [bi for bi, (c, _) in enumerate(batches) if c == cat]
+        row = {m: round(sum(n_tokens[i] for i in idx) / sum(med[m][i] for i in idx), 2) for m in modes}
+        if "spec" in modes and "plain" in modes:
+            row["speedup"] = round(row["spec"] / row["plain"], 3)
+        if cat in cat_stats:
+            row["tau"] = round(cat_stats[cat].tau, 3)
+        per_cat[cat] = row
+
+    lossless = None
+    if "spec" in modes and "plain" in modes and sampling.greedy:
+        lossless = all(outputs["spec"][bi] == outputs["plain"][bi] for bi in range(len(batches)))
+    hf_match = None
+    if "plain" in modes and "hf_generate" in modes and sampling.greedy:
+        pairs = [(a, b) for bi in range(len(batches)) for a, b in zip(outputs["plain"][bi], outputs["hf_generate"][bi])]
+        hf_match = round(sum(a == b for a, b in pairs) / len(pairs), 3)
+
+    result = {
+        "bench": "speedup", "target": args.target, "source": args.source, "dtype": args.dtype, "device": args.device,
+        "temperature": args.temperature, "k": args.k, "dynamic_k": args.dynamic_k, "batch": args.batch,
+        "max_new": args.max_new, "prompts": len(prompts), "repeats": args.repeats, "threads": args.threads,
+        "kv_cache_bytes": rt.kv_cache_bytes,
+        "verify_ms": {n: round(s * 1000, 2) for n, s in zip(cost.sizes, cost.seconds)},
+        "verify_cost_ratio_k": round(cost(args.k + 1) / cost(1), 3),
+        "tokens_per_s": tps,
+        "speedup": round(tps["spec"] / tps["plain"], 3) if {"spec", "plain"} <= set(tps) else None,
+        "plain_vs_hf": round(tps["plain"] / tps["hf_generate"], 3) if {"plain", "hf_generate"} <= set(tps) else None,
+        "tau": round(spec_stats.tau, 3) if spec_stats.rounds else None,
+        **({k: v for k, v in spec_stats.summary().items() if k in ("per_position_accept", "accept_hist")}
+           if spec_stats.rounds else {}),
+        "per_category": per_cat, "lossless": lossless, "plain_equals_hf_greedy": hf_match,
+    }
+    ok = not (args.check_lossless and lossless is False)
+    return result, ok
+
+
+def _merge(total: RuntimeStats, part: RuntimeStats) -> None:
+    for name in ("rounds", "forwards", "emitted", "proposed", "prefill_s", "draft_s", "verify_s", "total_s"):
+        setattr(total, name, getattr(total, name) + getattr(part, name))
+    total.accept_hist.update(part.accept_hist)
+    total.tested.update(part.tested)
+    total.accepted.update(part.accepted)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        result, ok = run(args)
+    except DraftheadsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cols = [m for m in MODES if m in result["tokens_per_s"]] + ["speedup", "tau"]
+    print("category".ljust(14) + "".join(c.rjust(18) for c in cols))
+    for cat, row in result["per_category"].items():
+        print(cat.ljust(14) + "".join(str(row.get(c, "-")).rjust(18) for c in cols))
+    if not ok:
+        print("error: speculative output differs from plain greedy decoding (not lossless)", file=sys.stderr)
+    print(json.dumps(result))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The runtime: compact Llama == HF, static cache, lossless chain/tree/batch decoding, T>0 distribution, memory."""
+
+import pytest
+import torch
+
+from inference.generate import generate_plain
+from inference.kv_cache import StaticKVCache
+from inference.llama import LlamaForward
+from inference.runtime import Runtime
+from inference.sampling import SamplingConfig
+from inference.sources.base import Draft
+from models.errors import DraftheadsError
+
+GREEDY = SamplingConfig()
+
+
+class OracleSource:
+    """Proposes the known greedy continuation, wrong on purpose at some positions, with a draft length that
+    varies with the context length (so requests in one batch draft different lengths); `tree` adds a wrong
+    sibling before the right first token. Confidences: 0.9 for right tokens, 0.2 for wrong ones."""
+
+    name = "oracle"
+
+    def __init__(self, prompts, continuations, tree=False, needs_features=False):
+        self.full = [list(p) + list(c) for p, c in zip(prompts, continuations)]
+        self.prompts = [list(p) for p in prompts]
+        self.tree, self.needs_features = tree, needs_features
+        self.feature_rows = []
+
+    def reset(self):
+        pass
+
+    def propose(self, ctx, k, sampling):
+        toks = ctx.tokens.tolist()
+        if self.needs_features:  # the runtime promises features for every committed token but the newest
+            assert ctx.aux_hidden.shape[0] == len(toks) - 1 and ctx.final_hidden.shape[0] == len(toks) - 1
+            self.feature_rows.append((toks, ctx.aux_hidden.clone(), ctx.final_hidden.clone()))
+        full = next(f for p, f in zip(self.prompts, self.full) if toks[: len(p)] == p)
+        n = len(toks)
+        cont = full[n: n + 1 + n % k]
+        right = [True] * len(cont)
+        if n % 3 == 0 and len(cont) > 1:
+            j = len(cont) // 2
+            cont[j], right[j] = (cont[j] + 1) % 259, False
+        conf = torch.tensor([0.9 if r else 0.2 for r in right])
+        if not self.tree or not cont:
+            return Draft(torch.tensor(cont, dtype=torch.long), confidences=conf)
+        tokens = [(cont[0] + 7) % 259] + cont  # node 0: a wrong sibling of node 1
+        parents = [-1, -1] + list(range(1, len(cont)))
+        return Draft(torch.tensor(tokens), parents=torch.tensor(parents))
+
+
+def make_prompts(lengths=(5, 17, 9), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 259, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference(target, prompts, max_new):
+    return [generate_plain(target, p, max_new, GREEDY, eos_ids=[]) for p in prompts]
+
+
+def test_llama_matches_hf(tiny_target):
+    fwd = LlamaForward(tiny_target)
+    ids = torch.randint(0, 259, (3, 20), generator=torch.Generator().manual_seed(0))
+    ref = tiny_target(ids)
+    cache = fwd.new_cache(3, 64)
+    a = fwd(ids[:, :12], cache)
+    cache.commit(cache.all_rows(), torch.tensor([12, 12, 12]))
+    b = fwd(ids[:, 12:], cache)
+    assert (torch.cat([a.logits, b.logits], 1) - ref.logits).abs().max() < 1e-5
+    assert (torch.cat([a.aux_hidden, b.aux_hidden], 1) - ref.aux_hidden).abs().max() < 1e-5
+    assert (torch.cat([a.final_hidden, b.final_hidden], 1) - ref.final_hidden).abs().max() < 1e-5
+    # per-request lengths and a subset of rows: request 1 has 7 committed tokens, request 2 has 5
+    for static in (False, True):
+        cache = fwd.new_cache(3, 64, static=static)
+        fwd(ids[:, :12], cache)
+        cache.commit(cache.all_rows(), torch.tensor([12, 7, 5]))
+        out = fwd(ids[1:, 12:16], cache, rows=torch.tensor([1, 2]))
+        for r, n in ((1, 7), (2, 5)):
+            full = tiny_target(torch.cat([ids[r: r + 1, :n], ids[r: r + 1, 12:16]], 1))
+            assert (out.logits[r - 1] - full.logits[0, n:]).abs().max() < 1e-5
+
+
+def test_cache_rollback_moves_lengths_only():
+    cache = StaticKVCache(num_layers=2, batch_size=2, kv_heads=1, head_dim=4, max_len=8)
+    ptrs = [t.data_ptr() for t in cache.k + cache.v]
+    rows = cache.all_rows()
+    cache.commit(rows, torch.tensor([5, 3]))
+    cache.rollback(rows, torch.tensor([2, 9]))
+    assert cache.lengths.tolist() == [2, 3] and [t.data_ptr() for t in cache.k + cache.v] == ptrs
+    assert cache.nbytes == 2 * 2 * (2 * 1 * 8 * 4) * 4
+    with pytest.raises(DraftheadsError, match="max_len"):
+        cache.slots(rows, 6)
+
+
+def test_plain_matches_reference_loop(tiny_target):
+    prompts = make_prompts()
+    rt = Runtime(tiny_target, max_len=128, batch_size=3)
+    g = rt.generate(prompts, 24, ignore_eos=True)
+    assert g.tokens == reference(tiny_target, prompts, 24)
+    assert g.stats.tau == 1.0 and g.stats.rounds == 3 * 24
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_speculative_greedy_is_lossless_batched(tiny_target, tree):
+    prompts = make_prompts()
+    ref = reference(tiny_target, prompts, 40)
+    rt = Runtime(tiny_target, max_len=128, batch_size=3)
+    source = OracleSource(prompts, ref, tree=tree, needs_features=True)
+    g = rt.generate(prompts, 40, source=source, k=5, ignore_eos=True)
+    assert g.tokens == ref
+    assert g.stats.tau > 2.0  # the oracle is right most of the time: far fewer rounds than tokens
+    assert g.stats.rounds < 3 * 40 / 2
+    # features handed to the source equal the target's own on the committed text (tree paths compacted)
+    toks, aux, final = source.feature_rows[-1]
+    full = tiny_target(torch.tensor([toks[:-1]]))
+    assert (aux - full.aux_hidden[0]).abs().max() < 1e-4 and (final - full.final_hidden[0]).abs().max() < 1e-4
+
+
+def test_grouped_batches_are_lossless(tiny_target):
+    prompts = make_prompts((4, 30, 11, 7), seed=1)
+    ref = reference(tiny_target, prompts, 30)
+    rt = Runtime(tiny_target, max_len=128, batch_size=4)
+    rt.profile_cost(sizes=(1, 4, 16), context=16, repeats=1)
+    # a cost that grows steeply with padded tokens forces several forwards per round
+    from inference.schedulers import VerifyCost
+    rt.cost = VerifyCost([1, 2, 64], [1.0, 1.5, 40.0])
+    g = rt.generate(prompts, 30, source=OracleSource(prompts, ref), k=6, ignore_eos=True)
+    assert g.tokens == ref and g.stats.forwards > g.stats.rounds / 4
+
+
+def test_tree_cache_is_compacted(tiny_target):
+    """After tree rounds the cache rows equal a fresh prefill of the committed text (paths moved in place)."""
+    prompts = make_prompts((6,))
+    ref = reference(tiny_target, prompts, 20)
+    rt = Runtime(tiny_target, max_len=64, batch_size=1)
+    g = rt.generate(prompts, 20, source=OracleSource(prompts, ref, tree=True), k=4, ignore_eos=True)
+    n = rt.cache_len(0)
+    committed = (prompts[0] + g.tokens[0])[:n]
+    fresh = LlamaForward(tiny_target).new_cache(1, 64)
+    LlamaForward(tiny_target)(torch.tensor([committed]), fresh)
+    for layer in range(tiny_target.num_layers):
+        assert (rt.cache.k[layer][0, :, :n] - fresh.k[layer][0, :, :n]).abs().max() < 1e-5
+        assert (rt.cache.v[layer][0, :, :n] - fresh.v[layer][0, :, :n]).abs().max() < 1e-5
+
+
+class SampledSource:
+    """Samples k tokens from a fixed, deliberately wrong distribution q (uniform over 5 tokens) and reports q."""
+
+    name, needs_features = "sampled", False
+
+    def __init__(self, support, tree=False):
+        self.q = torch.zeros(259)
+        self.q[support] = 1 / len(support)
+        self.support, self.tree = support, tree
+        self.g = torch.Generator().manual_seed(1)
+
+    def reset(self):
+        pass
+
+    def propose(self, ctx, k, sampling):
+        if self.tree:  # three distinct point-mass children of the anchor, a chain of one below the first
+            tokens = torch.tensor(self.support[:3] + [self.support[0]])
+            return Draft(tokens, parents=torch.tensor([-1, -1, -1, 0]))
+        tokens = torch.multinomial(self.q, k, replacement=True, generator=self.g)
+        return Draft(tokens, probs=self.q.expand(k, -1).clone())
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_sampling_matches_target_distribution(tiny_target, tree):
+    """T>0: the first two emitted tokens follow the target's own distribution (top-5 sampling keeps the
+    support small enough for 1,600 samples to resolve it)."""
+    sampling = SamplingConfig(temperature=1.0, top_k=5)
+    prompt = make_prompts((8,))[0]
+    p1 = sampling.probs(tiny_target(torch.tensor([prompt])).logits[0, -1])  # [V]
+    support = p1.topk(5).indices.tolist()
+    rt = Runtime(tiny_target, max_len=32, batch_size=64)
+    firsts, seconds = [], []
+    source = SampledSource(support[::-1], tree=tree)
+    for seed in range(25):
+        g = rt.generate([prompt] * 64, 2, source=source, sampling=sampling, k=3, seed=seed, ignore_eos=True)
+        firsts += [t[0] for t in g.tokens]
+        seconds += [t[1] for t in g.tokens]
+    emp1 = torch.bincount(torch.tensor(firsts), minlength=259).float() / len(firsts)
+    assert 0.5 * (emp1 - p1).abs().sum() < 0.06
+    x1 = support[0]
+    p2 = sampling.probs(tiny_target(torch.tensor([prompt + [x1]])).logits[0, -1])
+    after = torch.tensor([s for f, s in zip(firsts, seconds) if f == x1])
+    emp2 = torch.bincount(after, minlength=259).float() / after.numel()
+    assert after.numel() > 200 and 0.5 * (emp2 - p2).abs().sum() < 0.12
+
+
+def test_memory_flat_over_2048_tokens(tiny_target):
+    def rss_mb():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    rt = Runtime(tiny_target, max_len=2100, batch_size=1)
+    ptrs = [t.data_ptr() for t in rt.cache.k + rt.cache.v]
+    prompt = make_prompts((16,))[0]
+    rt.generate([prompt], 256, ignore_eos=True)  # warm-up: allocator pools
+    before = rss_mb()
+    g = rt.generate([prompt], 2048, ignore_eos=True)
+    assert len(g.tokens[0]) == 2048 and rt.cache_len(0) == 16 + 2048 - 1
+    assert [t.data_ptr() for t in rt.cache.k + rt.cache.v] == ptrs
+    assert rt.kv_cache_bytes == 2 * 6 * 2100 * 2 * 16 * 4  # k+v, layers, slots, kv heads, head dim, fp32
+    assert rss_mb() - before < 24
+
+
+def test_user_errors(tiny_target):
+    rt = Runtime(tiny_target, max_len=32, batch_size=2)
+    with pytest.raises(DraftheadsError, match="max_len"):
+        rt.generate([list(range(3, 30))], 16)
+    with pytest.raises(DraftheadsError, match="batch_size=2"):
+        rt.generate([[5], [6], [7]], 4)
