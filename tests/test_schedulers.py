@@ -1,0 +1,102 @@
+"""K schedules, the confidence prefix scheduler, group planning, the source selector; all lossless."""
+
+import torch
+
+from inference.runtime import Runtime
+from inference.schedulers import ConfidencePrefix, DynamicK, SourceSelector, VerifyCost, plan_groups
+from inference.sources.base import Draft
+from tests.test_runtime import OracleSource, make_prompts, reference
+
+
+def test_dynamic_k_rules():
+    s = DynamicK(k=4, k_max=8)
+    for _ in range(4):
+        s.update(4, 4)  # 16 draft tokens, all accepted: 100% -> +2
+    assert s.k == 6
+    for _ in range(4):
+        s.update(4, 0)  # window 32: 16/32 = 50% -> -1
+    assert s.k == 5
+    for _ in range(8):
+        s.update(4, 0)  # window 64 (the cap): 16/64 = 25% -> -2 twice
+    assert s.k == 2 and s.history == [4, 6, 5, 3, 2]
+    for _ in range(40):
+        s.update(4, 4)
+    assert s.k == 8  # clamped to k_max
+    assert [DynamicK.verdict(r) for r in (0.9, 0.8, 0.7, 0.6, 0.49)] == [2, 0, 0, -1, -2]
+
+
+def test_dynamic_k_hysteresis_needs_two_verdicts():
+    s = DynamicK(k=4, k_max=8, hysteresis=True)
+    for _ in range(4):
+        s.update(4, 4)
+    assert s.k == 4  # first +2 verdict: wait
+    for _ in range(4):
+        s.update(4, 4)
+    assert s.k == 6  # second +2 in a row: move
+    for _ in range(4):
+        s.update(4, 1)  # window 48: 36/48 = 75% -> 0 resets the pending verdict
+    for _ in range(4):
+        s.update(4, 0)  # 36/64 = 56% -> -1, first time: wait
+    assert s.k == 6
+
+
+def test_confidence_prefix_admits_by_tokens_per_second():
+    cost = VerifyCost([1, 2, 4, 8], [1.0, 1.1, 1.3, 2.0])
+    sched = ConfidencePrefix(cost)
+    # E/cost: n=0 1.0, n=1 1.9/1.1, n=2 2.71/1.2, n=3 3.115/1.3 = 2.396, n=4 3.1555/1.475 = 2.139 -> stop at 3
+    assert sched.keep([0.9, 0.9, 0.5, 0.1, 0.99]) == 3
+    assert sched.keep([0.05, 0.9]) == 0  # a hopeless first token: verify the anchor alone
+    d = sched.truncate(Draft(torch.tensor([5, 6, 7, 8]), confidences=torch.tensor([0.9, 0.9, 0.5, 0.1])))
+    assert d.tokens.tolist() == [5, 6, 7] and d.confidences.numel() == 3
+    no_conf = Draft(torch.tensor([5, 6]))
+    assert sched.truncate(no_conf) is no_conf
+    assert abs(cost(3) - 1.2) < 1e-9 and abs(cost(16) - 3.4) < 1e-9  # interpolated / extrapolated
+
+
+def test_plan_groups_splits_only_when_padding_costs_more():
+    linear = VerifyCost([1, 2], [2.0, 3.0])  # 1 + n seconds
+    assert plan_groups([2, 9, 2, 9], linear) == [[0, 2], [1, 3]]  # (1+4) + (1+18) = 24 < 1+36 = 37
+    flat = VerifyCost([1, 64], [10.0, 10.6])  # a launch-bound GPU: padding is almost free
+    assert plan_groups([2, 9, 2, 9], flat) == [[0, 2, 1, 3]]
+
+
+def test_selector_prefers_more_tokens_per_second():
+    sel = SourceSelector(["a", "b"], warmup=2)
+    for _ in range(2):
+        i = sel.choose()
+        sel.record_draft(i, 0.01)
+        sel.record_verify(i, 4, 0.1)  # a: ~36 tok/s
+    for _ in range(2):
+        i = sel.choose()
+        sel.record_verify(i, 1, 0.1)  # b: 10 tok/s
+    assert sel.rounds == [2, 2] and sel.choose() == 0
+    for _ in range(60):  # a degrades: 1 token per 0.5 s -> b wins
+        sel.record_verify(0, 1, 0.5)
+    assert sel.choose() == 1
+
+
+class WrongSource:
+    """Always wrong, always slow: the selector must learn to avoid it."""
+
+    name, needs_features = "wrong", False
+
+    def reset(self):
+        pass
+
+    def propose(self, ctx, k, sampling):
+        return Draft(torch.full((k,), 2, dtype=torch.long))
+
+
+def test_schedulers_are_lossless_through_the_runtime(tiny_target):
+    prompts = make_prompts((5, 13), seed=3)
+    ref = reference(tiny_target, prompts, 40)
+    rt = Runtime(tiny_target, max_len=128, batch_size=2)
+    oracle = OracleSource(prompts, ref)
+    g = rt.generate(prompts, 40, source=oracle, schedule=lambda: DynamicK(k=3, k_max=7), ignore_eos=True)
+    assert g.tokens == ref
+    prefix = ConfidencePrefix(VerifyCost([1, 2, 8], [1.0, 1.05, 1.4]))
+    g = rt.generate(prompts, 40, source=oracle, k=6, prefix=prefix, ignore_eos=True)
+    assert g.tokens == ref and min(prefix.kept) < max(prefix.kept)  # it did cut some drafts
+    sel = SourceSelector([WrongSource(), oracle], warmup=2)
+    g = rt.generate(prompts, 40, k=4, selector=sel, ignore_eos=True)
+    assert g.tokens == ref and sel.picks[1] > 3 * sel.picks[0]
