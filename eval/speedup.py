@@ -33,11 +33,30 @@ from models.errors import DraftheadsError
 from models.target import DEFAULT_TARGET, load_target
 
 MODES = ("plain", "spec", "hf_generate", "hf_prompt_lookup")
+RANDOM_TARGET = "random-smollm2-shape"  # SmolLM2-135M's shapes, random weights, byte tokenizer: timing only
+
+
+def random_smollm2_shape(dtype: str, device: str):
+    """For machines without the real weights (the GPU box): per-step costs are those of SmolLM2-135M,
+    acceptance and outputs are not meaningful."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.target import Target, _parse_dtype
+    from models.tiny_tokenizer import tiny_byte_tokenizer
+
+    tok = tiny_byte_tokenizer()
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=_parse_dtype(dtype))
+    return Target(model, tok, RANDOM_TARGET)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=DEFAULT_TARGET)
+    ap.add_argument("--target", default=DEFAULT_TARGET, help=f"a target name/dir, or {RANDOM_TARGET} (timing only)")
     ap.add_argument("--target-path", default=None)
     ap.add_argument("--source", default="prompt_lookup", help="build_source spec: prompt_lookup, draft_file:PATH, head:DIR")
     ap.add_argument("--prompts", required=True)
@@ -53,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--compile", action="store_true", help="CUDA: torch.compile(mode='reduce-overhead') (CUDA graphs)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="CUDA: one captured graph per verify shape")
+    ap.add_argument("--compile", action="store_true", help="CUDA: torch.compile(mode='reduce-overhead') instead")
     ap.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
     ap.add_argument("--check-lossless", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -93,7 +113,8 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
         raise DraftheadsError(f"--modes {','.join(unknown)} unknown; pick from {','.join(MODES)}")
     if args.check_lossless and args.temperature > 0:
         raise DraftheadsError("--check-lossless compares with plain greedy decoding; use it with --temperature 0")
-    target = load_target(args.target, path=args.target_path, dtype=args.dtype, device=args.device)
+    target = random_smollm2_shape(args.dtype, args.device) if args.target == RANDOM_TARGET else \
+        load_target(args.target, path=args.target_path, dtype=args.dtype, device=args.device)
     source = build_source(args.source, target)
     sampling = SamplingConfig(temperature=args.temperature)
     records = load_prompts(args.prompts, args.categories.split(",") if args.categories else None, args.limit)
@@ -105,7 +126,7 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
         by_cat[r["category"]].append(p)
     batches = [(cat, ps[i:i + args.batch]) for cat, ps in by_cat.items() for i in range(0, len(ps), args.batch)]
     max_len = max(map(len, prompts)) + args.max_new + 2 * max(args.k, args.k_max) + 2
-    rt = Runtime(target, max_len=max_len, batch_size=args.batch, compile=args.compile)
+    rt = Runtime(target, max_len=max_len, batch_size=args.batch, cuda_graphs=args.cuda_graphs, compile=args.compile)
     cost = rt.profile_cost(sizes=(1, 2, 4, 8, 16))
     schedule = (lambda: DynamicK(k=args.k, k_max=args.k_max)) if args.dynamic_k else None
 
@@ -161,7 +182,8 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
 
     result = {
         "bench": "speedup", "target": args.target, "source": args.source, "dtype": args.dtype, "device": args.device,
-        "temperature": args.temperature, "k": args.k, "dynamic_k": args.dynamic_k, "batch": args.batch,
+        "temperature": args.temperature, "cuda_graphs": args.cuda_graphs, "compile": args.compile, "k": args.k,
+        "dynamic_k": args.dynamic_k, "batch": args.batch,
         "max_new": args.max_new, "prompts": len(prompts), "repeats": args.repeats, "threads": args.threads,
         "kv_cache_bytes": rt.kv_cache_bytes,
         "verify_ms": {n: round(s * 1000, 2) for n, s in zip(cost.sizes, cost.seconds)},

@@ -117,7 +117,7 @@ if triton is not None:
         j = tl.program_id(1)  # input row: 0 = anchor, i + 1 = node i
         row = out_ptr + b * stride_ob + j * stride_or
         tl.store(row, 1)  # everyone sees the anchor
-        cur = j - 1
+        cur = (j - 1).to(tl.int64)  # loop-carried: keep one dtype (parents are int64)
         for _ in range(0, N):  # walk up to the anchor: self, parent, grandparent, ...
             valid = cur >= 0
             tl.store(row + cur + 1, 1, mask=valid)

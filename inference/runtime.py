@@ -30,6 +30,7 @@ from inference.schedulers import FixedK, VerifyCost, plan_groups
 from inference.sources.base import Draft, DraftContext, DraftSource
 from inference.tree import accept_tree, check_parents, draft_parents, tree_depths, tree_mask
 from models.errors import DraftheadsError
+from models.target import TargetOutput
 
 EMPTY = torch.empty(0, dtype=torch.long)
 
@@ -72,19 +73,25 @@ class Generation:
 class Runtime:
     """A target behind a static KV cache for up to `batch_size` requests of up to `max_len` positions.
 
-    compile=True (CUDA): torch.compile(mode="reduce-overhead") = CUDA graphs per (rows, T) shape; the cache
-    then reads all max_len slots so shapes never change with the context length."""
+    CUDA path for decode/verify: cuda_graphs=True captures one CUDA graph per (rows, T) (GraphedForward,
+    seconds to build), compile=True uses torch.compile(mode="reduce-overhead") (minutes to build, may fuse
+    more). Either way the cache reads all max_len slots, so shapes never change with the context length."""
 
-    def __init__(self, target, max_len: int = 2048, batch_size: int = 1, compile: bool = False,
-                 cost: VerifyCost | None = None):
+    def __init__(self, target, max_len: int = 2048, batch_size: int = 1, cuda_graphs: bool = False,
+                 compile: bool = False, cost: VerifyCost | None = None):
         self.target = target
         self.model = LlamaForward(target)
-        self.cache = self.model.new_cache(batch_size, max_len, static=compile)
-        self.forward = self.model.forward
-        if compile:
-            for t in self.cache.k + self.cache.v:
-                torch._dynamo.mark_static_address(t)
-            self.forward = torch.compile(self.model.forward, mode="reduce-overhead", dynamic=False)
+        self.compiled = cuda_graphs or compile  # static shapes: pad verify widths to powers of two
+        self.cache = self.model.new_cache(batch_size, max_len, static=self.compiled)
+        self.forward = self.prefill = self.model.forward  # prefill shapes change with every prompt: eager
+        if cuda_graphs:
+            self.forward = GraphedForward(self.model)
+        elif compile:
+            for t in self.cache.k + self.cache.v + [self.cache.lengths]:
+                torch._dynamo.mark_static_address(t)  # mutated in place: cudagraph-safe static buffers
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            step = torch.compile(_forward_tuple(self.model), mode="reduce-overhead", dynamic=False)
+            self.forward = lambda *a, **kw: TargetOutput(*step(*a, **kw))
         self.eos = set(eos_token_ids(target))
         self.cost = cost  # verify cost curve; None = one padded forward per round
         self.device = target.device
@@ -145,7 +152,7 @@ class Runtime:
             ids = torch.zeros(B, T, dtype=torch.long)
             for b, p in enumerate(prompts):
                 ids[b, : p.numel() - 1] = p[:-1]
-            out = self.forward(ids.to(self.device), self.cache, rows=self.cache.all_rows()[:B], compute_logits=False)
+            out = self.prefill(ids.to(self.device), self.cache, rows=self.cache.all_rows()[:B], compute_logits=False)
             self.cache.commit(self.cache.all_rows()[:B], torch.tensor([n - 1 for n in n_tok], device=self.device))
             if feats:
                 for b, n in enumerate(n_tok):
@@ -219,6 +226,8 @@ class Runtime:
         """One target forward over [anchor, draft] of each member (padded to the longest); accept; commit."""
         R = len(members)
         T = 1 + max(drafts[b].size for b in members)
+        if self.compiled:  # a few input widths -> a few CUDA graphs
+            T = min(1 << (T - 1).bit_length(), self.cache.max_len - max(self.cache_len(b) for b in members))
         ids = torch.zeros(R, T, dtype=torch.long)
         masks = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1)  # pads see themselves only
         offsets = torch.arange(T).repeat(R, 1)
@@ -286,3 +295,62 @@ class Runtime:
         self.cost = VerifyCost(list(sizes), seconds)
         return self.cost
 
+
+
+def _forward_tuple(model: LlamaForward):
+    """The verify forward returning a tuple (what torch.compile / CUDA graphs handle best)."""
+    def step(input_ids, cache, tree_mask=None, position_offsets=None, rows=None, compute_logits=True):
+        out = model.forward(input_ids, cache, tree_mask=tree_mask, position_offsets=position_offsets, rows=rows,
+                            compute_logits=compute_logits)
+        return out.logits, out.aux_hidden, out.final_hidden
+
+    return step
+
+
+class GraphedForward:
+    """One CUDA graph per (rows, T) around the static-cache forward: inputs are copied into static buffers,
+    the graph replays, outputs live in static buffers until the next call (the runtime reads them first).
+    On CPU the same buffers run eagerly (no capture), which is how the plumbing is tested without a GPU."""
+
+    def __init__(self, model: LlamaForward):
+        self.model = model
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.pool = None
+
+    def __call__(self, input_ids, cache, tree_mask=None, position_offsets=None, rows=None, compute_logits=True):
+        R, T = input_ids.shape
+        dev = input_ids.device
+        rows = cache.all_rows()[:R] if rows is None else rows
+        tree_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(R, T, T) if tree_mask is None else tree_mask
+        position_offsets = torch.arange(T, device=dev).expand(R, T) if position_offsets is None else position_offsets
+        if (R, T) not in self.graphs:
+            self.graphs[(R, T)] = self._capture(cache, input_ids, tree_mask, position_offsets, rows)
+        graph, inputs, outputs = self.graphs[(R, T)]
+        for buf, new in zip(inputs, (input_ids, tree_mask, position_offsets, rows)):
+            buf.copy_(new)
+        if graph is None:
+            outputs = self._run(cache, *inputs)
+        else:
+            graph.replay()
+        return TargetOutput(*outputs)
+
+    def _run(self, cache, ids, mask, offsets, rows):
+        out = self.model.forward(ids, cache, tree_mask=mask, position_offsets=offsets, rows=rows)
+        return out.logits, out.aux_hidden, out.final_hidden
+
+    def _capture(self, cache, *example):
+        inputs = tuple(t.clone() for t in example)
+        if inputs[0].device.type != "cuda":
+            return None, inputs, None
+        # warm-up on a side stream (writes only uncommitted slots, which the next forward overwrites anyway)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._run(cache, *inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self._run(cache, *inputs)
+        return graph, inputs, outputs

@@ -14,8 +14,10 @@ from inference import kernels
 from inference.tree import tree_mask
 from inference.verify import accept_greedy, accept_rejection
 
-needs_triton = pytest.mark.skipif(kernels.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
-                                  reason="triton not installed or TRITON_INTERPRET!=1 (no GPU here)")
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+needs_triton = pytest.mark.skipif(kernels.triton is None or not (ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"),
+                                  reason="needs triton with a GPU or TRITON_INTERPRET=1 (the CPU torch wheel has none)")
 
 
 def greedy_case(seed=0, B=5, K=4, V=300):
@@ -73,7 +75,7 @@ def test_greedy_kernel_matches_reference():
     for seed in range(3):
         draft, lens, logits = greedy_case(seed, V=2500)  # > BLOCK_V: the running argmax crosses blocks
         ref = kernels.accept_greedy_reference(draft, lens, logits)
-        out = kernels.accept_greedy_batched(draft, lens, logits)
+        out = kernels.accept_greedy_batched(draft.to(DEVICE), lens.to(DEVICE), logits.to(DEVICE))
         assert torch.equal(out[0].cpu(), ref[0]) and torch.equal(out[1].cpu(), ref[1])
 
 
@@ -84,7 +86,8 @@ def test_rejection_kernel_matches_reference(point_mass):
     g = torch.Generator().manual_seed(1)
     for _ in range(5):
         u = torch.rand(draft.shape, generator=g)
-        assert torch.equal(kernels.accept_rejection_batched(draft, lens, p, q, u).cpu(),
+        on = [None if t is None else t.to(DEVICE) for t in (draft, lens, p, q, u)]
+        assert torch.equal(kernels.accept_rejection_batched(*on).cpu(),
                            kernels.accept_rejection_reference(draft, lens, p, q, u))
 
 
@@ -94,5 +97,5 @@ def test_tree_mask_kernel_matches_reference():
     N = 12
     parents = torch.stack([torch.tensor([-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, N)])
                            for _ in range(3)])
-    assert torch.equal(kernels.tree_masks(parents).cpu(), kernels.tree_masks_reference(parents))
-    assert torch.equal(kernels.tree_masks(parents)[0].cpu(), tree_mask(parents[0]))
+    out = kernels.tree_masks(parents.to(DEVICE)).cpu()
+    assert torch.equal(out, kernels.tree_masks_reference(parents)) and torch.equal(out[0], tree_mask(parents[0]))

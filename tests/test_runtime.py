@@ -213,3 +213,25 @@ def test_user_errors(tiny_target):
         rt.generate([list(range(3, 30))], 16)
     with pytest.raises(DraftheadsError, match="batch_size=2"):
         rt.generate([[5], [6], [7]], 4)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_static_graph_path_is_lossless(tiny_target, tree):
+    """cuda_graphs=True on CPU runs the GraphedForward buffers without capture: static cache reads,
+    power-of-two verify widths, one buffer set per (rows, T)."""
+    prompts = make_prompts((5, 9, 14))
+    ref = reference(tiny_target, prompts, 20)
+    rt = Runtime(tiny_target, max_len=64, batch_size=3, cuda_graphs=True)
+    g = rt.generate(prompts, 20, source=OracleSource(prompts, ref, tree=tree, needs_features=True), k=3,
+                    ignore_eos=True)
+    assert g.tokens == ref and all(T in (1, 2, 4, 8) for _, T in rt.forward.graphs)
+
+
+@pytest.mark.slow
+def test_compiled_runtime_is_lossless(tiny_target):
+    """torch.compile(mode='reduce-overhead') on CPU (inductor; ~1 min of compiling)."""
+    prompts = make_prompts((5, 9))
+    ref = reference(tiny_target, prompts, 12)
+    rt = Runtime(tiny_target, max_len=64, batch_size=2, compile=True)
+    g = rt.generate(prompts, 12, source=OracleSource(prompts, ref), k=3, ignore_eos=True)
+    assert g.tokens == ref
