@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from models.checkpoint import build_draft, load_draft, save_draft
@@ -187,12 +188,13 @@ def _truncate_metrics(path: Path, stage: str, step: int) -> None:
 def draft_labels(target, head, batch: dict, out, chunk: slice):
     """Target logits [n, V_draft] (no grad) and token labels [n] (draft-vocab ids, -1 outside) for rows `chunk`."""
     b, rows = out.batch_index[chunk], (out.anchor + out.depth)[chunk]  # target row t+d predicts token t+d+1
-    with torch.no_grad():
-        tgt = target.lm_head(batch["final_hidden"][b, rows].to(target.dtype))
-    labels = batch["input_ids"][b, rows + 1]
     ids = head.draft_ids
+    final = batch["final_hidden"][b, rows].to(target.dtype)
+    with torch.no_grad():  # the target restricted to the draft vocabulary: only those rows of its LM head (N/V the cost)
+        lm = target.model.get_output_embeddings()
+        tgt = lm(final) if ids is None else F.linear(final, lm.weight[ids], None if lm.bias is None else lm.bias[ids])
+    labels = batch["input_ids"][b, rows + 1]
     if ids is not None:
-        tgt = tgt[:, ids]
         draft_index = torch.cumsum(head.t2d.long(), 0) - 1
         labels = torch.where(head.t2d[labels], draft_index[labels], torch.full_like(labels, -1))
     return tgt, labels
