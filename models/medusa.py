@@ -85,6 +85,8 @@ class MedusaHeads(nn.Module):
         hidden = self._per_depth(h, depth, lambda d, x: self.blocks[d - 1](x), h.shape[-1])
         return DraftTrainOutput(hidden, b_idx, anchor, depth)
 
+    forward = train_forward  # the trainer calls head(batch, plan) so DDP / FSDP wrappers see the forward
+
     @torch.no_grad()
     def draft_logits(self, tokens: Tensor, final_hidden: Tensor, cache, k: int, sample_fn=None) -> Tensor:
         """[k, V]: head d on the newest committed feature row (anchor T-2). One pass, no cache needed."""

@@ -264,6 +264,8 @@ class PEagleDrafter(nn.Module):
         """hidden [N, H] from train_forward -> logits [N, V_draft]."""
         return self.logits(hidden)
 
+    forward = train_forward  # the trainer calls head(batch, plan) so DDP / FSDP wrappers see the forward
+
     # -- inference -----------------------------------------------------------------------------
     @torch.no_grad()
     def draft_logits(self, tokens: Tensor, aux: Tensor, cache: "DraftCache", k: int, sample_fn) -> Tensor:

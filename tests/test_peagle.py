@@ -103,3 +103,36 @@ def test_head_source_is_lossless_in_the_reference_loop(tiny_target, tmp_path):
         assert res.tokens == plain
         sampled = speculative_generate(tiny_target, src, prompt, 12, 3, SamplingConfig(temperature=0.9), eos_ids=[])
         assert len(sampled.tokens) == 12
+
+
+def test_trainer_labels_are_aligned_with_an_oracle_target():
+    """An oracle 'target' whose row r distribution is one-hot on the TRUE token r+1: every (anchor, depth) row the
+    trainer builds must get target argmax == its label token x_{anchor+depth+1} (no off-by-one anywhere)."""
+    from types import SimpleNamespace
+
+    from train.trainer import collate, draft_labels
+
+    V = 16
+    lm = torch.nn.Linear(V, V, bias=False)
+    with torch.no_grad():
+        lm.weight.copy_(torch.eye(V) * 10)
+    oracle = SimpleNamespace(dtype=torch.float32, model=SimpleNamespace(get_output_embeddings=lambda: lm), lm_head=lm)
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for T in (11, 7):
+        ids = torch.randint(0, V, (T,), generator=g)
+        final = torch.nn.functional.one_hot(torch.cat([ids[1:], ids[:1]]), V).float()  # row r -> token r+1
+        items.append({"input_ids": ids, "loss_mask": torch.rand(T, generator=g) > 0.3,
+                      "aux_hidden": torch.zeros(T, 3), "final_hidden": final})
+    batch = collate(items, "cpu")
+    plan = cod_plan(batch["loss_mask"], batch["lengths"], k=4, decay=0.8, generator=g)
+    keep = plan.valid & plan.trained
+    out = SimpleNamespace(batch_index=torch.arange(2)[:, None].expand_as(keep)[keep], anchor=plan.anchor[keep],
+                          depth=plan.depth[keep])
+    head = SimpleNamespace(draft_ids=None)
+    tgt, labels = draft_labels(oracle, head, batch, out, slice(0, None))
+    assert labels.numel() > 10
+    assert torch.equal(tgt.argmax(-1), labels)
+    # and every label is a loss token inside its sequence
+    pos = out.anchor + out.depth + 1
+    assert (pos < batch["lengths"][out.batch_index]).all() and batch["loss_mask"][out.batch_index, pos].all()

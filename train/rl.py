@@ -139,7 +139,7 @@ def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
             batch["aux_hidden"][b, : a + 1] = it["aux_hidden"][: a + 1].to(device)
             batch["final_hidden"][b, : a + 1] = it["final_hidden"][: a + 1].to(device)
         plan = block_plan(anchors, k, device)
-        out = core.train_forward(batch, plan)
+        out = head(batch, plan)  # through the (possibly distributed) wrapper
         q_logits = core.full_vocab_logits(core.logits_for(out.hidden, out.depth).float()).view(len(items), k, -1)
         log_q = F.log_softmax(q_logits / temperature, -1)
         q = log_q.exp()
@@ -156,7 +156,7 @@ def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
         loss = -expected.mean() + tc.rl_pg_weight * pg.mean()
         if tc.rl_kl_weight > 0:
             with torch.no_grad():
-                ref_out = reference.train_forward(batch, plan)
+                ref_out = reference(batch, plan)
                 ref_logits = reference.full_vocab_logits(reference.logits_for(ref_out.hidden, ref_out.depth).float())
                 ref_logp = F.log_softmax(ref_logits.view(B, k, -1) / temperature, -1)
             ref_p = ref_logp.exp()  # 0 outside a draft vocabulary, where both log-probs are -inf

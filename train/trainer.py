@@ -210,7 +210,7 @@ def soft_label_step_fn(head, target, dataset, tc, k: int, device):
                         torch.Generator().manual_seed(tc.seed * 1_000_003 + micro))
         plan = type(plan)(**{f: (v.to(device) if isinstance(v, Tensor) else v) for f, v in vars(plan).items()})
         core = _unwrap(head)
-        out = core.train_forward(batch, plan)
+        out = head(batch, plan)  # through the (possibly distributed) wrapper
         n = out.hidden.shape[0]
         w = position_weights(out.depth, tc.position_weighting, gamma)
         total = out.hidden.sum() * 0.0  # keeps the graph when a micro-batch has no labelled rows
