@@ -222,3 +222,19 @@ def test_every_draft_config_composes_and_builds(tiny_target, draft):
     vocab = None if d.draft_vocab_size is None else DraftVocab(torch.arange(200), tiny_target.vocab_size)
     head = build_draft(d.family, tiny_target, d.k, d.num_layers, d.parallel, vocab, d.share_lm_head)
     assert head.family_name == d.family and head.k == d.k
+
+
+def test_trains_from_a_feature_directory_and_refuses_foreign_features(peaked_target, tmp_path):
+    from data.features import extract_features
+    from train.trainer import train_draft
+
+    feats = tiny_features(peaked_target, n=6, T=24)
+    extract_features(peaked_target, [(f["input_ids"], f["loss_mask"]) for f in feats], tmp_path / "features",
+                     shard_tokens=60)
+    head = train_draft(make_cfg(tmp_path / "run", steps=3), peaked_target, tmp_path / "features", tmp_path / "run")
+    assert load_draft(head, peaked_target).k == 3
+    from models.target import Target, tiny_random_llama
+
+    other = Target(*tiny_random_llama(num_layers=6), "tiny-random-llama", layer_ids=(0, 2, 4))
+    with pytest.raises(DraftheadsError, match="layer_ids"):
+        train_draft(make_cfg(tmp_path / "run2", steps=3), other, tmp_path / "features", tmp_path / "run2")
