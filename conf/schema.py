@@ -92,7 +92,7 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    prompts: str = "../shared/bench/spec_bench_dev.jsonl"
+    prompts: str = "eval/data/spec_bench_dev.jsonl"
     categories: Optional[str] = "mt_bench"
     limit: Optional[int] = 24
     max_new: int = 64
