@@ -58,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=DEFAULT_TARGET, help=f"a target name/dir, or {RANDOM_TARGET} (timing only)")
     ap.add_argument("--target-path", default=None)
-    ap.add_argument("--source", default="prompt_lookup", help="build_source spec: prompt_lookup, draft_file:PATH, head:DIR")
+    ap.add_argument("--source", default="prompt_lookup",
+                    help="build_source spec: prompt_lookup, draft_file:PATH, head:DIR")
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--categories", default=None, help="comma list (alias mt_bench)")
     ap.add_argument("--max-new", type=int, default=256)
@@ -87,7 +88,8 @@ def hf_generate(target, prompt: list[int], max_new: int, sampling: SamplingConfi
     if sampling.greedy:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     else:
-        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+        # top_k=0 (not None, which means "the model's default", often 50) switches top-k off in HF
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
     if lookup_k:
         kwargs["prompt_lookup_num_tokens"] = lookup_k
     torch.manual_seed(seed)

@@ -35,18 +35,20 @@ class LlamaForward:
         self.target = target
         hf = target.model.model
         cfg = target.model.config
-        if getattr(cfg, "hidden_act", "silu") != "silu" or cfg.model_type not in ("llama", "mistral", "qwen2"):
+        if getattr(cfg, "hidden_act", "silu") != "silu" or cfg.model_type not in ("llama", "qwen2"):
             raise DraftheadsError(f"the runtime's compact forward covers Llama-style models (silu MLP); target "
-                                  f"'{target.name}' is '{cfg.model_type}' with {cfg.hidden_act}; use inference.generate")
+                                  f"'{target.name}' is '{cfg.model_type}' with {cfg.hidden_act}; "
+                                  "use inference.generate for it")
         # plain references to the target's parameters (no copy); module calls cost ~10 us each on CPU
-        self.layers = [
-            (layer.input_layernorm.weight, layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-             layer.self_attn.o_proj, layer.post_attention_layernorm.weight, layer.mlp.gate_proj,
-             layer.mlp.up_proj, layer.mlp.down_proj)
+        def wb(m):
+            return m.weight, m.bias
+
+        self.layers = [  # per layer: ln1, q, k, v, o, ln2, gate, up, down
+            (layer.input_layernorm.weight, wb(layer.self_attn.q_proj), wb(layer.self_attn.k_proj),
+             wb(layer.self_attn.v_proj), wb(layer.self_attn.o_proj), layer.post_attention_layernorm.weight,
+             wb(layer.mlp.gate_proj), wb(layer.mlp.up_proj), wb(layer.mlp.down_proj))
             for layer in hf.layers
         ]
-        self.layers = [tuple((m.weight, m.bias) if isinstance(m, torch.nn.Linear) else m for m in ws)
-                       for ws in self.layers]
         self.eps = cfg.rms_norm_eps
         self.norm_weight = hf.norm.weight
         self.rotary = hf.rotary_emb  # the target's own RoPE (theta, scaling type) -> exact cos/sin
@@ -72,7 +74,8 @@ class LlamaForward:
         q = q * cos + rotate_half(q) * sin  # cos, sin [B, 1, T, hd]
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer, k, v, rows, slots, span)  # [B, kvh, S, hd]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.num_heads)
+        gqa = self.kv_heads != self.num_heads
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)  # [B, nh, T, hd]
         return F.linear(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim), *o_proj)
 
     def _mlp(self, layer: int, x: Tensor) -> Tensor:

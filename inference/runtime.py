@@ -321,7 +321,8 @@ class GraphedForward:
         R, T = input_ids.shape
         dev = input_ids.device
         rows = cache.all_rows()[:R] if rows is None else rows
-        tree_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(R, T, T) if tree_mask is None else tree_mask
+        if tree_mask is None:
+            tree_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(R, T, T)
         position_offsets = torch.arange(T, device=dev).expand(R, T) if position_offsets is None else position_offsets
         if (R, T) not in self.graphs:
             self.graphs[(R, T)] = self._capture(cache, input_ids, tree_mask, position_offsets, rows)

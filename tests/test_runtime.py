@@ -235,3 +235,15 @@ def test_compiled_runtime_is_lossless(tiny_target):
     rt = Runtime(tiny_target, max_len=64, batch_size=2, compile=True)
     g = rt.generate(prompts, 12, source=OracleSource(prompts, ref), k=3, ignore_eos=True)
     assert g.tokens == ref
+
+
+@pytest.mark.slow
+def test_smollm2_runtime_matches_hf_greedy(smollm2):
+    """The real target: our forward's logits == HF's, and 16 greedy tokens equal `generate_plain`."""
+    prompt = smollm2.tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
+    ref_logits = smollm2(torch.tensor([prompt])).logits
+    fwd = LlamaForward(smollm2)
+    out = fwd(torch.tensor([prompt]), fwd.new_cache(1, 64))
+    assert (out.logits - ref_logits).abs().max() < 1e-3
+    rt = Runtime(smollm2, max_len=64)
+    assert rt.generate([prompt], 16, ignore_eos=True).tokens[0] == generate_plain(smollm2, prompt, 16, GREEDY, eos_ids=[])
