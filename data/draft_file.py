@@ -113,13 +113,22 @@ class Candidates:
     """Everything the file knows about one context: the longest matching order's continuations."""
 
     order: int
-    tokens: np.ndarray  # [m, L] int64, -1 after a continuation's end; sorted by count, best first
-    counts: np.ndarray  # [m] int64
-    total: int  # occurrences of the key in the corpus (pruned continuations included)
+    tokens: np.ndarray  # [m, L] int64, -1 after a continuation's end; the most frequent path first
+    prefix_counts: np.ndarray  # [m, L] int64: occurrences of key + tokens[:j+1] (0 after the end)
+    total: int  # occurrences of the key in the corpus
 
     @property
-    def confidences(self) -> np.ndarray:  # [m] P(this whole continuation | key), from counts
-        return self.counts / self.total
+    def lengths(self) -> np.ndarray:  # [m]
+        return (self.tokens >= 0).sum(1)
+
+    @property
+    def counts(self) -> np.ndarray:  # [m] occurrences of each whole continuation
+        return self.prefix_counts[np.arange(len(self.tokens)), np.maximum(self.lengths - 1, 0)]
+
+    @property
+    def confidences(self) -> np.ndarray:  # [m, L] P(token j | key, tokens < j); 0 after the end
+        before = np.concatenate([np.full((len(self.tokens), 1), self.total), self.prefix_counts[:, :-1]], axis=1)
+        return self.prefix_counts / np.maximum(before, 1)
 
 
 class DraftFile:
@@ -201,7 +210,8 @@ class DraftFile:
         a, b = int(self.key_offsets[idx]), int(self.key_offsets[idx + 1])
         toks = self.entry_tokens[a:b].astype(np.int64)
         toks[toks == self.pad] = -1
-        return Candidates(int(self.key_orders[idx]), toks, self.entry_counts[a:b].astype(np.int64), int(self.key_totals[idx]))
+        return Candidates(int(self.key_orders[idx]), toks, self.entry_counts[a:b].astype(np.int64),
+                          int(self.key_totals[idx]))
 
     def find_keys(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For contexts [B, W] (newest last, -1 = missing): index [B] of the longest matching key (-1 = miss), its
@@ -221,13 +231,14 @@ class DraftFile:
         return idx, order, hot
 
     def lookup_batch(self, context: np.ndarray):
-        """Candidates for contexts [B, W] in one call: tokens [B, m, L] (-1 pad), counts [B, m] (0 = none), order [B].
+        """Candidates for contexts [B, W] in one call: tokens [B, m, L] (-1 pad), prefix counts [B, m, L] (0 = none),
+        order [B] (0 = no key).
 
         With a hot table (place_hot) its keys are answered from device tensors, the rest from the memmap."""
         idx, order, hot = self.find_keys(context)
         m = self.header["continuations"]
         tokens = np.full((len(idx), m, self.max_len), -1, np.int64)
-        counts = np.zeros((len(idx), m), np.int64)
+        counts = np.zeros((len(idx), m, self.max_len), np.int64)
         for table, rows in ((self._hot, np.flatnonzero(hot)), (self._cold, np.flatnonzero(~hot & (idx >= 0)))):
             if table is None or not len(rows):
                 continue
@@ -237,7 +248,7 @@ class DraftFile:
             ok = np.arange(m)[None, :] < n[:, None]  # [R, m]
             e = np.where(ok, start[:, None] + np.arange(m)[None, :], 0)
             tokens[rows] = np.where(ok[..., None], _np(ent_tokens[e]), -1)
-            counts[rows] = np.where(ok, _np(ent_counts[e]), 0)
+            counts[rows] = np.where(ok[..., None], _np(ent_counts[e]), 0)
         tokens[tokens == self.pad] = -1
         return tokens, counts, order
 
@@ -367,32 +378,60 @@ def _records(tokens: np.ndarray, doc_offsets: np.ndarray, start: int, end: int, 
 
 
 def _count_partition(rec: np.ndarray, tokens, doc_offsets, m: int, max_len: int, min_count: int, pad: int, tdt):
-    """Top-m continuations per key with count >= min_count, and every key's total, from one partition's records."""
+    """One partition's keys: their continuation tries cut where a prefix occurs < min_count times, top-m leaves.
+
+    Prefix counts (how often the key is followed by t1..tj) are exact, so the best leaf follows the most frequent
+    first token, then the most frequent second one after it, and each token gets P(t_j | key, t_<j)."""
+    L, mask = max_len, (1 << 56) - 1
     o = np.argsort(rec["pair"])  # quicksort: deterministic for a given input, 3x faster than a stable sort
     ps = rec["pair"][o]
     starts = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]]) if len(ps) else np.empty(0, np.int64)
-    count = np.diff(np.r_[starts, len(ps)])  # occurrences of each distinct (key, continuation)
-    first = o[starts]
-    live = count >= min_count  # pruning first keeps the (key, count) sort small
-    key, count_k, pos_raw = rec["key"][first[live]], count[live], rec["pos"][first[live]]
-    order = np.lexsort((-count_k, key))  # key asc, count desc; stable, so ties stay in pair-hash order
-    key, count_k, pos_raw = key[order], count_k[order], pos_raw[order]
-    new = np.r_[True, key[1:] != key[:-1]] if len(key) else np.empty(0, bool)
-    group_start = np.flatnonzero(new)
-    gid = np.cumsum(new) - 1
-    keep = np.arange(len(key)) - group_start[gid] < m
-    keys = key[group_start]
-    seen, occurrences = np.unique(rec["key"], return_counts=True)  # a plain sort: fast
-    totals = occurrences[np.searchsorted(seen, keys)]
-    pos = pos_raw[keep] & ((1 << 56) - 1)
+    count = np.diff(np.r_[starts, len(ps)])  # [U] occurrences of each distinct (key, continuation)
+    key, pos_raw = rec["key"][o[starts]], rec["pos"][o[starts]]
+    seen, occurrences = np.unique(rec["key"], return_counts=True)  # key totals: a plain sort, fast
+    pos = pos_raw & mask
     offs = doc_offsets.astype(np.int64)
     d1 = offs[np.searchsorted(offs, pos, side="right")]
-    idx = pos[:, None] + 1 + np.arange(max_len)[None, :]  # [E, L]
-    ent_tokens = np.where(idx < d1[:, None], tokens[np.minimum(idx, len(tokens) - 1)], pad).astype(tdt)
-    return {"keys": keys, "orders": (pos_raw[group_start] >> 56).astype(np.int64),
-            "totals": np.minimum(totals, 0xFFFFFFFF).astype(np.uint32),
-            "n_entries": np.bincount(gid[keep], minlength=len(keys)).astype(np.int64),
-            "counts": count_k[keep].astype(np.uint32), "tokens": ent_tokens.reshape(-1, max_len)}
+    idx = pos[:, None] + 1 + np.arange(L)[None, :]  # [U, L]
+    cont = np.where(idx < d1[:, None], tokens[np.minimum(idx, len(tokens) - 1)], pad).astype(np.int64)
+    del idx
+    # prefix counts level by level, only for rows whose shorter prefix is still frequent enough
+    pc = np.zeros((len(key), L), dtype=np.int64)
+    h, active = key.copy(), np.arange(len(key))
+    for j in range(L):
+        h[active] = _step(h[active], cont[active, j])
+        ha = h[active]
+        oa = np.argsort(ha)
+        st = np.flatnonzero(np.r_[True, ha[oa][1:] != ha[oa][:-1]]) if len(oa) else np.empty(0, np.int64)
+        pc[active[oa], j] = np.repeat(np.add.reduceat(count[active[oa]], st) if len(st) else st, np.diff(np.r_[st, len(oa)]))
+        active = active[pc[active, j] >= min_count]
+    depth = (pc >= min_count).sum(1)  # kept prefix length: prefix counts never grow with j
+    # leaves: kept prefixes that no longer kept prefix extends; one row stands for each
+    h, leaf_hash = key.copy(), np.zeros(len(key), dtype=U64)
+    leaf = depth > 0
+    for j in range(L):
+        h = _step(h, cont[:, j])
+        at_j, deeper = depth == j + 1, depth > j + 1
+        leaf[at_j] &= ~np.isin(h[at_j], h[deeper])
+        leaf_hash[at_j] = h[at_j]
+    rows = np.flatnonzero(leaf)
+    rows = rows[np.unique(leaf_hash[rows], return_index=True)[1]]  # sorted by leaf hash: deterministic ties
+    second = pc[rows, 1] if L > 1 else np.zeros(len(rows), np.int64)
+    rows = rows[np.lexsort((-second, -pc[rows, 0], key[rows]))]  # key asc, then the most frequent path first
+    k = key[rows]
+    new = np.r_[True, k[1:] != k[:-1]] if len(k) else np.empty(0, bool)
+    group_start = np.flatnonzero(new)
+    gid = np.cumsum(new) - 1
+    rows = rows[np.arange(len(rows)) - group_start[gid] < m]
+    gid = gid[np.arange(len(gid)) - group_start[gid] < m]
+    keys = key[rows][np.r_[True, gid[1:] != gid[:-1]]] if len(rows) else np.empty(0, U64)
+    cut = np.arange(L)[None, :] >= depth[rows][:, None]  # [E, L] beyond the kept prefix
+    return {"keys": keys, "orders": (pos_raw[rows][np.r_[True, gid[1:] != gid[:-1]]] >> 56).astype(np.int64)
+            if len(rows) else np.empty(0, np.int64),
+            "totals": np.minimum(occurrences[np.searchsorted(seen, keys)], 0xFFFFFFFF).astype(np.uint32),
+            "n_entries": np.bincount(gid, minlength=len(keys)).astype(np.int64),
+            "counts": np.where(cut, 0, np.minimum(pc[rows], 0xFFFFFFFF)).astype(np.uint32),
+            "tokens": np.where(cut, pad, cont[rows]).astype(tdt)}
 
 
 def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: str, vocab_size: int,
@@ -446,8 +485,8 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
 
         # 1. spill (key, pair, pos) records into partitions by the key's top bits (partition order = key order)
         n_rec = n_tokens * len(orders)
-        budget = max(int(memory_mb * 2**20), 1 << 16)  # bytes one partition may use while it is counted (~6x its records)
-        bits = min(16, max(0, math.ceil(math.log2(max(1.0, n_rec * REC.itemsize * 6 / budget)))))
+        budget = max(int(memory_mb * 2**20), 1 << 16)  # bytes one partition may use while counted (~12x its records)
+        bits = min(16, max(0, math.ceil(math.log2(max(1.0, n_rec * REC.itemsize * 12 / budget)))))
         parts = [open(tmp / f"part{p:04d}.bin", "wb") for p in range(1 << bits)]
         chunk = max(1 << 12, budget // (REC.itemsize * len(orders) * 8))
         for a in range(0, n_tokens, chunk):
@@ -460,22 +499,25 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
         for f in parts:
             f.close()
 
-        # 2. count each partition; keep top-m per key at the smallest threshold we may choose
+        # 2. count each partition (at min-count 1 first when sizing by coverage); results wait on disk
+        def count_all(threshold: int) -> list[dict]:
+            stages = []
+            for p in range(len(parts)):
+                rec = np.fromfile(tmp / f"part{p:04d}.bin", dtype=REC)
+                stage = _count_partition(rec, tokens, doc_offsets, continuations, max_len, threshold, pad, tdt)
+                del rec
+                for name, arr in stage.items():
+                    np.save(tmp / f"stage{threshold}_{p:04d}_{name}.npy", arr)
+                stages.append({name: np.load(tmp / f"stage{threshold}_{p:04d}_{name}.npy", mmap_mode="r")
+                               for name in stage})
+            return stages
+
         floor = 1 if coverage is not None else min_count
-        stages = []
-        for p in range(len(parts)):
-            rec = np.fromfile(tmp / f"part{p:04d}.bin", dtype=REC)
-            os.remove(tmp / f"part{p:04d}.bin")
-            stage = _count_partition(rec, tokens, doc_offsets, continuations, max_len, floor, pad, tdt)
-            for name, arr in stage.items():  # counted partitions wait on disk too: memory stays one partition
-                np.save(tmp / f"stage{p:04d}_{name}.npy", arr)
-            stages.append({name: np.load(tmp / f"stage{p:04d}_{name}.npy", mmap_mode="r") for name in stage})
-            del rec
-        t_count = time.perf_counter() - t0 - t_tok
+        stages = count_all(floor)
 
         # 3. size from data: coverage of the validation split per threshold, pick the smallest table that reaches it
         vtokens = np.fromfile(tmp / "val.bin", dtype=tdt) if n_val else np.empty(0, tdt)
-        curve = coverage_curve(stages, vtokens, val_offsets, orders, max_len, tdt)
+        curve = coverage_curve(stages, vtokens, val_offsets, orders, max_len, tdt, floor)
         if coverage is not None:
             if not curve:
                 raise DraftheadsError("--coverage needs validation documents, but none were held out; "
@@ -487,6 +529,9 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
                     "min-count 1); using min-count 1")
             min_count = chosen["min_count"]
         selected = next((c for c in curve if c["min_count"] == min_count), None)
+        if min_count != floor:  # the tries are cut at min-count: recount at the chosen one
+            stages = count_all(min_count)
+        t_count = time.perf_counter() - t0 - t_tok
 
         header = {
             "format": "draftheads draft file", "version": VERSION,
@@ -496,7 +541,7 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
             "validation": {"tokens": int(n_val), "curve": curve, "selected": selected},
         }
         stored = (tokens, doc_offsets, vtokens, val_offsets) if keep_corpus else None
-        _write(out, header, stages, min_count, stored, tdt, max_len)
+        _write(out, header, stages, stored, tdt, max_len)
     f = DraftFile(out)
     report = {"tokens": int(n_tokens), "validation_tokens": int(n_val), "keys": f.n_keys, "entries": f.n_entries,
               "file_bytes": f.header["file_bytes"], "table_bytes": f.header["table_bytes"], "min_count": min_count,
@@ -505,11 +550,15 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
     return report
 
 
-def coverage_curve(stages, vtokens, val_offsets, orders, max_len, tdt, max_positions: int = 200_000) -> list[dict]:
-    """Per min-count threshold: table size and, on validation positions, hit rate and top-1 first-token coverage."""
-    n_keys = np.array([[(s["counts"][_firsts(s)] >= c).sum() for s in stages] for c in THRESHOLDS]).sum(1)
-    n_ent = np.array([sum(int((s["counts"] >= c).sum()) for s in stages) for c in THRESHOLDS])
-    entry_bytes = max_len * tdt.itemsize + 4
+def coverage_curve(stages, vtokens, val_offsets, orders, max_len, tdt, floor: int = 1,
+                   max_positions: int = 200_000) -> list[dict]:
+    """Per min-count threshold >= floor (the stages hold nothing below it): table size and, on validation
+    positions, hit rate and coverage (the served key's best continuation starts with the right token)."""
+    thresholds = [c for c in THRESHOLDS if c >= floor]
+    # sizes are upper bounds: at a higher threshold some leaves are cut shorter and merge
+    n_keys = np.array([[(s["counts"][_firsts(s), 0] >= c).sum() for s in stages] for c in thresholds]).sum(1)
+    n_ent = np.array([sum(int((s["counts"][:, 0] >= c).sum()) for s in stages) for c in thresholds])
+    entry_bytes = max_len * (tdt.itemsize + 4)
     sizes = n_keys * (8 + 1 + 4 + 8) + n_ent * entry_bytes
     offs = val_offsets.astype(np.int64)
     if len(vtokens) < 2:
@@ -533,10 +582,10 @@ def coverage_curve(stages, vtokens, val_offsets, orders, max_len, tdt, max_posit
         first = _firsts(s)
         at = np.minimum(s["keys"].searchsorted(keys), len(s["keys"]) - 1)
         hit = (s["keys"][at] == keys) & (keys != 0)
-        top_count = np.where(hit, s["counts"][first[at]], top_count)
+        top_count = np.where(hit, s["counts"][first[at], 0], top_count)  # count of the most frequent first token
         top_right |= hit & (s["tokens"][first[at], 0].astype(np.int64) == truth[:, None])
     curve = []
-    for i, c in enumerate(THRESHOLDS):
+    for i, c in enumerate(thresholds):
         live = top_count >= c  # [P, n_orders]
         served = np.where(live.any(1), len(orders) - 1 - np.argmax(live[:, ::-1], axis=1), -1)  # longest live order
         right = np.where(served >= 0, top_right[np.arange(len(pos)), np.maximum(served, 0)], False)
@@ -551,21 +600,15 @@ def coverage_curve(stages, vtokens, val_offsets, orders, max_len, tdt, max_posit
     return curve
 
 
-def _write(out: Path, header: dict, stages, min_count: int, stored, tdt, max_len: int) -> None:
-    """Filter the stages at min_count and write the file: header, then aligned sections, checksums last."""
-    kept = []
-    for s in stages:
-        first = _firsts(s)
-        ok_e = s["counts"] >= min_count  # a prefix of each key's entries (sorted by count)
-        n_e = np.add.reduceat(ok_e.astype(np.int64), first) if len(first) else np.empty(0, np.int64)
-        ok_k = n_e > 0
-        kept.append((s, ok_e, ok_k, n_e[ok_k]))
-    K = sum(int(k.sum()) for _, _, k, _ in kept)
-    E = sum(int(e.sum()) for _, e, _, _ in kept)
+def _write(out: Path, header: dict, stages, stored, tdt, max_len: int) -> None:
+    """Write the counted stages (in key order) and the stored corpus: header, aligned sections, checksums last."""
+    K = sum(len(s["keys"]) for s in stages)
+    E = sum(len(s["counts"]) for s in stages)
     tokens, doc_offsets, vtokens, val_offsets = stored or (np.empty(0, tdt), np.zeros(1, np.uint64)) * 2
     N, D, NV, DV = len(tokens), len(doc_offsets) - 1, len(vtokens), len(val_offsets) - 1
     shapes = {"keys": ("<u8", [K]), "key_orders": ("|u1", [K]), "key_totals": ("<u4", [K]),
-              "key_offsets": ("<u8", [K + 1]), "entry_tokens": (tdt.str, [E, max_len]), "entry_counts": ("<u4", [E]),
+              "key_offsets": ("<u8", [K + 1]), "entry_tokens": (tdt.str, [E, max_len]),
+              "entry_counts": ("<u4", [E, max_len]),
               "corpus_tokens": (tdt.str, [N]), "doc_offsets": ("<u8", [D + 1]),
               "val_tokens": (tdt.str, [NV]), "val_offsets": ("<u8", [DV + 1])}
     # layout needs the header length; it depends on offsets only through their digits, so iterate to a fixpoint
@@ -591,15 +634,12 @@ def _write(out: Path, header: dict, stages, min_count: int, stored, tdt, max_len
             f.seek(sections[name][0])
             np.ascontiguousarray(arr, dtype=np.dtype(sections[name][1])).tofile(f)
 
-        for name, pick in (("keys", lambda s, e, k: s["keys"][k]), ("key_totals", lambda s, e, k: s["totals"][k]),
-                           ("entry_counts", lambda s, e, k: s["counts"][e]), ("entry_tokens", lambda s, e, k: s["tokens"][e])):
+        for name, field in (("keys", "keys"), ("key_orders", "orders"), ("key_totals", "totals"),
+                            ("entry_tokens", "tokens"), ("entry_counts", "counts")):
             f.seek(sections[name][0])
-            for s, e, k, _ in kept:
-                np.ascontiguousarray(pick(s, e, k), dtype=np.dtype(sections[name][1])).tofile(f)
-        f.seek(sections["key_orders"][0])
-        for s, e, k, _ in kept:
-            s["orders"][k].astype(np.uint8).tofile(f)
-        put("key_offsets", np.r_[0, np.cumsum(np.concatenate([n for *_, n in kept]) if K else [])])
+            for s in stages:  # partitions are in key order
+                np.ascontiguousarray(s[field], dtype=np.dtype(sections[name][1])).tofile(f)
+        put("key_offsets", np.r_[0, np.cumsum(np.concatenate([s["n_entries"] for s in stages]))])
         f.seek(sections["corpus_tokens"][0])
         for a in range(0, N, 1 << 24):
             np.asarray(tokens[a: a + (1 << 24)]).tofile(f)
@@ -650,9 +690,9 @@ def inspect(f: DraftFile, tokenizer, text: str) -> list[dict]:
     c = f.lookup(ids)
     if c is None:
         return []
-    return [{"order": c.order, "count": int(n), "confidence": round(float(n) / c.total, 4),
-             "continuation": tokenizer.decode([t for t in row if t >= 0]), "tokens": [int(t) for t in row if t >= 0]}
-            for row, n in zip(c.tokens, c.counts)]
+    return [{"order": c.order, "total": c.total, "count": int(n), "continuation": tokenizer.decode(row[:length].tolist()),
+             "tokens": row[:length].tolist(), "confidences": [round(float(p), 4) for p in conf[:length]]}
+            for row, n, length, conf in zip(c.tokens, c.counts, c.lengths, c.confidences)]
 
 
 def load_tokenizer(name_or_path: str):

@@ -37,45 +37,57 @@ def build_tiny(corpus, out, **kw):
                  log=lambda *_: None, **kw)
 
 
-def reference_table(token_docs, orders, max_len):
-    """Brute force: {(order, context tuple): Counter(continuation tuple)} with Python loops."""
-    table = defaultdict(Counter)
+def reference_tries(token_docs, orders, L, min_count):
+    """Brute force with Python loops: {(order, context): (total, {kept prefix: count}, [leaves])}.
+
+    Continuations are padded to L with -1 at a document's end; a prefix is kept when it occurs >= min_count
+    times after the context; leaves are kept prefixes that no kept prefix extends."""
+    conts = defaultdict(Counter)
     for ids in token_docs:
         for i in range(len(ids) - 1):
+            cont = tuple(ids[i + 1: i + 1 + L]) + (-1,) * max(0, i + 1 + L - len(ids))
             for k in orders:
                 if i - k + 1 >= 0:
-                    table[(k, tuple(ids[i - k + 1: i + 1]))][tuple(ids[i + 1: i + 1 + max_len])] += 1
-    return table
+                    conts[(k, tuple(ids[i - k + 1: i + 1]))][cont] += 1
+    tries = {}
+    for key, counter in conts.items():
+        prefix = Counter()
+        for cont, n in counter.items():
+            for j in range(1, L + 1):
+                prefix[cont[:j]] += n
+        kept = {p: n for p, n in prefix.items() if n >= min_count}
+        leaves = [p for p in kept if len(p) == L or not any(p + (t,) in kept for t in {q[len(p)] for q in kept
+                                                                                         if len(q) > len(p) and q[:len(p)] == p})]
+        tries[key] = (sum(counter.values()), kept, leaves)
+    return tries
 
 
-def test_lookup_matches_brute_force_counts(tmp_path):
+def test_lookup_matches_brute_force_tries(tmp_path):
     corpus = write_corpus(tmp_path, "c", 12)
     out = tmp_path / "a.dfl"
-    build_tiny([corpus], out, orders=(1, 2, 3), continuations=3, max_len=5, min_count=2)
+    m, L = 3, 5
+    build_tiny([corpus], out, orders=(1, 2, 3), continuations=m, max_len=L, min_count=2)
     f = DraftFile(out)
     docs = [TOK(p.read_text(), add_special_tokens=False)["input_ids"] for p in sorted(corpus.iterdir())]
-    ref = reference_table(docs, (1, 2, 3), 5)
+    ref = reference_tries(docs, (1, 2, 3), L, 2)
     checked = 0
     for ids in docs[:3]:
         for i in range(1, len(ids)):
             ctx = ids[:i]
             got = f.lookup(ctx)
-            # expected: the longest order whose best continuation reaches min_count
-            want = None
-            for k in (3, 2, 1):
-                counts = ref.get((k, tuple(ctx[-k:]))) if len(ctx) >= k else None
-                if counts and max(counts.values()) >= 2:
-                    want = (k, counts)
-                    break
+            want = next(((k, ref[(k, tuple(ctx[-k:]))]) for k in (3, 2, 1)
+                         if len(ctx) >= k and (k, tuple(ctx[-k:])) in ref and ref[(k, tuple(ctx[-k:]))][1]), None)
             if want is None:
                 assert got is None
                 continue
-            k, counts = want
-            assert got.order == k and got.total == sum(counts.values())
-            top = sorted((n for n in counts.values() if n >= 2), reverse=True)[:3]
-            assert got.counts.tolist() == top
-            for row, n in zip(got.tokens.tolist(), got.counts.tolist()):
-                assert counts[tuple(t for t in row if t >= 0)] == n
+            k, (total, kept, leaves) = want
+            assert got.order == k and got.total == total
+            assert len(got.tokens) == min(m, len(leaves))
+            for row, counts in zip(got.tokens.tolist(), got.prefix_counts.tolist()):
+                leaf = next(p for p in leaves if p == tuple(row[: len(p)]) and all(t == -1 for t in row[len(p):]))
+                assert counts == [kept[leaf[: j + 1]] for j in range(len(leaf))] + [0] * (L - len(leaf))
+            firsts = got.prefix_counts[:, 0].tolist()
+            assert firsts == sorted(firsts, reverse=True) and firsts[0] == max(n for p, n in kept.items() if len(p) == 1)
             checked += 1
     assert checked > 50
     assert f.n_keys > 0 and f.header["min_count"] == 2
@@ -93,9 +105,9 @@ def test_batched_lookup_and_hot_table_agree_with_single(tmp_path):
         if single is None:
             assert order[b] == 0 and counts[b].sum() == 0
         else:
-            n = len(single.counts)
-            assert order[b] == single.order and counts[b, :n].tolist() == single.counts.tolist()
-            assert (tokens[b, :n] == single.tokens).all()
+            n = len(single.tokens)
+            assert order[b] == single.order and (counts[b, :n] == single.prefix_counts).all()
+            assert (tokens[b, :n] == single.tokens).all() and counts[b, n:].sum() == 0
     cold = f.hot_hit_rate(ctx)
     assert cold["hot_share_of_hits"] == 0.0 and 0.5 < cold["hit_rate"] < 1.0
     shares = []
@@ -212,7 +224,8 @@ def test_cli_build_stats_inspect(tmp_path, capsys):
     main(["inspect", str(out), "--text", "for i in ran", "--target", "tiny-random-llama"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {r["continuation"][:5] for r in rows} == {"ge(10", "ge(3)"} and rows[0]["order"] == 3
-    assert rows[0]["count"] >= rows[1]["count"] and abs(sum(r["confidence"] for r in rows) - 1) < 0.01
+    assert rows[0]["confidences"][:3] == [1.0, 1.0, 1.0]  # 'ge(' always follows 'ran'; then '1' or '3'
+    assert abs(rows[0]["confidences"][3] + rows[1]["confidences"][3] - 1) < 1e-3
     assert rows == inspect(DraftFile(out), TOK, "for i in ran")
     empty = tmp_path / "empty"
     empty.mkdir()

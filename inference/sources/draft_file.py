@@ -6,9 +6,9 @@ matching order proposes its best continuation, and when that runs out before k t
 asked again with the drafted tokens appended (a chain walk). Drafts are point masses (probs=None),
 which the lossless rejection rule handles at any temperature.
 
-Confidence of draft token j = count of the key's continuations sharing the first j draft tokens /
-count sharing the first j-1 (the key's total occurrences for j = 1): an estimate of
-P(token j accepted | tokens < j accepted) under the corpus distribution.
+Confidence of draft token j = P(t_j | key, t_<j) from the file's exact prefix counts (how often the
+key was followed by t_1..t_j, over how often by t_1..t_j-1): an estimate of P(token j accepted |
+tokens < j accepted) under the corpus distribution.
 
 `tree=True` returns the key's continuations merged into a token tree (Draft.parents), the k nodes of
 highest path probability; the default `tree=False` returns the best chain, which the chain verifier takes.
@@ -22,10 +22,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from data.draft_file import Candidates, DraftFile
+from data.draft_file import DraftFile
 from inference.sampling import SamplingConfig
 from inference.sources.base import Draft, DraftContext
 from inference.sources.prompt_lookup import PromptLookup
@@ -69,9 +68,9 @@ class DraftFileSource:
             c = self.file.lookup(tail + tokens)
             if c is None:
                 break
-            best = [t for t in c.tokens[0].tolist() if t >= 0][: k - len(tokens)]
-            confidences += _chain_confidences(c, best)
-            tokens += best
+            n = min(int(c.lengths[0]), k - len(tokens))
+            tokens += c.tokens[0, :n].tolist()
+            confidences += c.confidences[0, :n].tolist()
         return Draft(tokens=torch.tensor(tokens, dtype=torch.long),
                      confidences=torch.tensor(confidences, dtype=torch.float32) if tokens else None)
 
@@ -79,20 +78,18 @@ class DraftFileSource:
         c = self.file.lookup(tail)
         if c is None:
             return Draft(tokens=torch.empty(0, dtype=torch.long))
-        # trie of the continuations: node = (parent, token), count = occurrences of that prefix
+        # trie of the continuations: node = (parent, token); its confidence is the same from every leaf under it
         index: dict[tuple[int, int], int] = {}
-        parent, token, count = [], [], []
-        for row, n in zip(c.tokens.tolist(), c.counts.tolist()):
+        parent, token, cond = [], [], []
+        for row, conf in zip(c.tokens.tolist(), c.confidences.tolist()):
             node = -1
-            for t in row:
+            for t, p in zip(row, conf):
                 if t < 0:
                     break
                 if (node, t) not in index:
                     index[(node, t)] = len(token)
-                    parent.append(node), token.append(t), count.append(0)
+                    parent.append(node), token.append(t), cond.append(p)
                 node = index[(node, t)]
-                count[node] += n
-        cond = [count[i] / (count[parent[i]] if parent[i] >= 0 else c.total) for i in range(len(token))]
         path = []
         for i in range(len(token)):  # parents come before children in insertion order
             path.append(cond[i] * (path[parent[i]] if parent[i] >= 0 else 1.0))
@@ -102,19 +99,6 @@ class DraftFileSource:
         return Draft(tokens=torch.tensor([token[i] for i in keep], dtype=torch.long),
                      confidences=torch.tensor([cond[i] for i in keep], dtype=torch.float32),
                      parents=torch.tensor([new_id[parent[i]] if parent[i] >= 0 else -1 for i in keep], dtype=torch.long))
-
-
-def _chain_confidences(c: Candidates, chain: list[int]) -> list[float]:
-    """P(chain[j] | chain[:j]) from the counts of the key's continuations sharing that prefix."""
-    out, prev = [], float(c.total)
-    rows = c.tokens[:, : len(chain)]  # [m, len]
-    alive = np.ones(len(rows), dtype=bool)
-    for j, t in enumerate(chain):
-        alive &= rows[:, j] == t
-        n = float(c.counts[alive].sum())
-        out.append(n / prev if prev > 0 else 0.0)
-        prev = n
-    return out
 
 
 def draft_file_source(arg: str | None, target) -> DraftFileSource:
