@@ -7,22 +7,27 @@
     python -m data.draft_file merge FILE.dfl --corpus PATH... --target NAME_OR_PATH --out NEW.dfl
 
 Key = 64-bit hash of (k, last k tokens); one sorted key array holds every order, back-off tries the
-longest order first. Each key keeps its top `continuations` (by count) of up to `max_len` tokens.
+longest order first. Per key the file keeps the trie of its next-`max_len`-token continuations cut
+where a prefix occurs fewer than `min_count` times, as up to `continuations` leaves (the most frequent
+path first) with exact prefix counts, so each token has P(t_j | key, t_<j) as its confidence.
+`--coverage C` picks the largest min-count whose validation coverage (the served key's best leaf
+starts with the right token) is still >= C, from a curve measured on held-out documents.
 
 Mergeability. Counts add across corpora but a count threshold does not (1 + 1 passes min-count 2,
-neither half does), so a file also stores its tokenized corpus (2 bytes a token for vocabularies
-under 65535): the exact sufficient statistic. `merge` appends the new corpus's tokens and recounts,
-so merge(build(A), B) == build(A + B) byte for byte; only the new corpus is tokenized again (the slow
-part). `--no-corpus` writes a serving-only file, which merge refuses.
+neither half does), so a file also stores its tokenized corpus and validation split (2 bytes a token
+for vocabularies under 65535): the exact sufficient statistic. `merge` appends the new corpus's tokens
+and recounts, so merge(build(A), B) == build(A + B) byte for byte; only the new corpus is tokenized
+(the slow part). `--no-corpus` writes a serving-only file, which merge refuses.
 
-Streaming. Documents are tokenized in batches and appended to a temporary token file; (key, pair
-hash, position) records are hash-partitioned by the key's top bits into spill files sized to
-`--memory-mb`, and each partition is counted alone (np.unique), so peak memory is one partition.
+Streaming. Documents are tokenized in batches and appended to a temporary token file; (key, position)
+records are partitioned by the key's top bits into spill files sized to `--memory-mb`, and each
+partition is sorted and counted alone, its result spilled too, so memory stays one partition.
 
 Layout (little endian): 8-byte magic, u32 version, u32 header length, u32 header crc32, u32 body
 crc32, JSON header, then 64-byte-aligned sections: keys u64 [K] (sorted), key_orders u8 [K],
-key_totals u32 [K] (all occurrences, pruned ones included), key_offsets u64 [K+1], entry_tokens
-tok [E, L] (PAD-filled), entry_counts u32 [E], corpus_tokens tok [N], doc_offsets u64 [D+1].
+key_totals u32 [K] (all occurrences), key_offsets u64 [K+1], entry_tokens tok [E, L] (PAD-filled),
+entry_counts u32 [E, L] (prefix counts), corpus_tokens tok [N], doc_offsets u64 [D+1], val_tokens
+tok [V], val_offsets u64 [DV+1].
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ M64 = (1 << 64) - 1
 C1, C2, C3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 SEED = 0x2545F4914F6CDD1D
 U64 = np.uint64
-REC = np.dtype([("key", "<u8"), ("pair", "<u8"), ("pos", "<i8")])  # one spill record, 24 bytes
+REC = np.dtype([("key", "<u8"), ("pos", "<i8")])  # one spill record: context key, (order << 56) | position
 THRESHOLDS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 SECTIONS = ("keys", "key_orders", "key_totals", "key_offsets", "entry_tokens", "entry_counts",
             "corpus_tokens", "doc_offsets", "val_tokens", "val_offsets")
@@ -353,84 +358,76 @@ class _TokenSink:
 def _records(tokens: np.ndarray, doc_offsets: np.ndarray, start: int, end: int, orders, max_len: int, pad: int):
     """Spill records for contexts ending at positions [start, end) of the token array (vectorised)."""
     offs, W, n = doc_offsets.astype(np.int64), max(orders), end - start
-    lo, hi = max(0, start - W + 1), min(len(tokens), end + max_len)
-    # window[W - 1 + i] = token at position start + i; PAD-filled beyond the array so every shift is a slice
-    window = np.full(n + W - 1 + max_len, pad, dtype=np.int64)
+    lo, hi = max(0, start - W + 1), min(len(tokens), end)
+    window = np.zeros(n + W - 1, dtype=np.int64)  # window[W - 1 + i] = token at position start + i
     window[lo - (start - W + 1): lo - (start - W + 1) + hi - lo] = tokens[lo:hi]
     pos = np.arange(start, end, dtype=np.int64)
     i0, i1 = np.searchsorted(offs, [start, end - 1], side="right") - 1  # documents overlapping the chunk
     doc = np.repeat(np.arange(i0, i1 + 1), np.diff(np.clip(offs[i0: i1 + 2], start, end)))
     d0, d1 = offs[doc], offs[doc + 1]
-    cont = np.full(n, SEED, dtype=U64)  # hash of the next max_len tokens (PAD past the document's end)
-    for c in range(1, max_len + 1):
-        cont = _step(cont, np.where(pos + c < d1, window[W - 1 + c: W - 1 + c + n], pad))
     out, h = [], np.full(n, SEED, dtype=U64)
     for j in range(W):
         h = _step(h, window[W - 1 - j: W - 1 - j + n])
         if j + 1 not in orders:
             continue
         ok = (pos - j >= d0) & (pos + 1 < d1)  # k tokens of context and >= 1 continuation token, same document
-        key = _finish(h[ok], j + 1)
-        rec = np.empty(len(key), dtype=REC)
-        rec["key"], rec["pair"], rec["pos"] = key, _finish(_step(key, cont[ok]), 0), pos[ok] | ((j + 1) << 56)
-        out.append(rec)  # the order rides in the position's top byte
+        rec = np.empty(int(ok.sum()), dtype=REC)
+        rec["key"], rec["pos"] = _finish(h[ok], j + 1), pos[ok] | ((j + 1) << 56)  # the order rides in the top byte
+        out.append(rec)
     return np.concatenate(out) if out else np.empty(0, dtype=REC)
 
 
 def _count_partition(rec: np.ndarray, tokens, doc_offsets, m: int, max_len: int, min_count: int, pad: int, tdt):
     """One partition's keys: their continuation tries cut where a prefix occurs < min_count times, top-m leaves.
 
-    Prefix counts (how often the key is followed by t1..tj) are exact, so the best leaf follows the most frequent
-    first token, then the most frequent second one after it, and each token gets P(t_j | key, t_<j)."""
-    L, mask = max_len, (1 << 56) - 1
-    o = np.argsort(rec["pair"])  # quicksort: deterministic for a given input, 3x faster than a stable sort
-    ps = rec["pair"][o]
-    starts = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]]) if len(ps) else np.empty(0, np.int64)
-    count = np.diff(np.r_[starts, len(ps)])  # [U] occurrences of each distinct (key, continuation)
-    key, pos_raw = rec["key"][o[starts]], rec["pos"][o[starts]]
-    seen, occurrences = np.unique(rec["key"], return_counts=True)  # key totals: a plain sort, fast
-    pos = pos_raw & mask
+    Records sorted by (key, continuation tokens) put every prefix's occurrences in one run, so all prefix
+    counts (how often the key is followed by t1..tj) come from run lengths, one linear pass per level. The
+    best leaf follows the most frequent first token, then the most frequent second one; ties in token order."""
+    L, R = max_len, len(rec)
+    pos = rec["pos"] & ((1 << 56) - 1)
     offs = doc_offsets.astype(np.int64)
     d1 = offs[np.searchsorted(offs, pos, side="right")]
-    idx = pos[:, None] + 1 + np.arange(L)[None, :]  # [U, L]
+    idx = pos[:, None] + 1 + np.arange(L)[None, :]  # [R, L]
     cont = np.where(idx < d1[:, None], tokens[np.minimum(idx, len(tokens) - 1)], pad).astype(np.int64)
     del idx
-    # prefix counts level by level, only for rows whose shorter prefix is still frequent enough
-    pc = np.zeros((len(key), L), dtype=np.int64)
-    h, active = key.copy(), np.arange(len(key))
+    bits = 16 if pad < (1 << 16) else 32  # pack tokens into 64-bit words: lexicographic order = word order
+    words = []
+    for a in range(0, L, 64 // bits):
+        w = np.zeros(R, dtype=U64)
+        for t in cont[:, a: a + 64 // bits].T:
+            w = (w << U64(bits)) | t.astype(U64)
+        words.append(w)
+    order = np.lexsort(tuple(reversed(words)) + (rec["key"],))  # primary key last
+    key, cont, korder = rec["key"][order], cont[order].astype(np.int32), rec["pos"][order] >> 56
+    del words, order
+    boundary = np.ones(R, dtype=bool)
+    boundary[1:] = key[1:] != key[:-1]
+    key_start = np.flatnonzero(boundary)
+    pc = np.zeros((R, L), dtype=np.int32)  # [R, L] prefix counts
+    levels = []
     for j in range(L):
-        h[active] = _step(h[active], cont[active, j])
-        ha = h[active]
-        oa = np.argsort(ha)
-        st = np.flatnonzero(np.r_[True, ha[oa][1:] != ha[oa][:-1]]) if len(oa) else np.empty(0, np.int64)
-        pc[active[oa], j] = np.repeat(np.add.reduceat(count[active[oa]], st) if len(st) else st, np.diff(np.r_[st, len(oa)]))
-        active = active[pc[active, j] >= min_count]
+        boundary[1:] |= cont[1:, j] != cont[:-1, j]
+        run = np.diff(np.r_[np.flatnonzero(boundary), R])
+        pc[:, j] = np.repeat(run, run)
+        levels.append(boundary.copy())
     depth = (pc >= min_count).sum(1)  # kept prefix length: prefix counts never grow with j
-    # leaves: kept prefixes that no longer kept prefix extends; one row stands for each
-    h, leaf_hash = key.copy(), np.zeros(len(key), dtype=U64)
-    leaf = depth > 0
-    for j in range(L):
-        h = _step(h, cont[:, j])
-        at_j, deeper = depth == j + 1, depth > j + 1
-        leaf[at_j] &= ~np.isin(h[at_j], h[deeper])
-        leaf_hash[at_j] = h[at_j]
-    rows = np.flatnonzero(leaf)
-    rows = rows[np.unique(leaf_hash[rows], return_index=True)[1]]  # sorted by leaf hash: deterministic ties
-    second = pc[rows, 1] if L > 1 else np.zeros(len(rows), np.int64)
-    rows = rows[np.lexsort((-second, -pc[rows, 0], key[rows]))]  # key asc, then the most frequent path first
-    k = key[rows]
-    new = np.r_[True, k[1:] != k[:-1]] if len(k) else np.empty(0, bool)
-    group_start = np.flatnonzero(new)
-    gid = np.cumsum(new) - 1
-    rows = rows[np.arange(len(rows)) - group_start[gid] < m]
-    gid = gid[np.arange(len(gid)) - group_start[gid] < m]
-    keys = key[rows][np.r_[True, gid[1:] != gid[:-1]]] if len(rows) else np.empty(0, U64)
+    leaf = np.zeros(R, dtype=bool)  # first row of a kept prefix's run that no kept prefix extends
+    for j, b in enumerate(levels):
+        st = np.flatnonzero(b)
+        deepest = np.repeat(np.maximum.reduceat(depth, st), np.diff(np.r_[st, R])) if R else depth
+        leaf |= b & (depth == j + 1) & (deepest == j + 1)
+    rows = np.flatnonzero(leaf)  # in (key, tokens) order
+    second = pc[rows, 1] if L > 1 else np.zeros(len(rows), np.int32)
+    rows = rows[np.lexsort((-second, -pc[rows, 0], key[rows]))]  # stable: ties stay in token order
+    new = np.r_[True, key[rows][1:] != key[rows][:-1]] if len(rows) else np.empty(0, bool)
+    rank = np.arange(len(rows)) - np.flatnonzero(new)[np.cumsum(new) - 1] if len(rows) else rows
+    rows, new = rows[rank < m], new[rank < m]
+    heads = rows[new]
     cut = np.arange(L)[None, :] >= depth[rows][:, None]  # [E, L] beyond the kept prefix
-    return {"keys": keys, "orders": (pos_raw[rows][np.r_[True, gid[1:] != gid[:-1]]] >> 56).astype(np.int64)
-            if len(rows) else np.empty(0, np.int64),
-            "totals": np.minimum(occurrences[np.searchsorted(seen, keys)], 0xFFFFFFFF).astype(np.uint32),
-            "n_entries": np.bincount(gid, minlength=len(keys)).astype(np.int64),
-            "counts": np.where(cut, 0, np.minimum(pc[rows], 0xFFFFFFFF)).astype(np.uint32),
+    return {"keys": key[heads], "orders": korder[heads].astype(np.int64),
+            "totals": np.diff(np.r_[key_start, R])[np.searchsorted(key[key_start], key[heads])].astype(np.uint32),
+            "n_entries": np.diff(np.r_[np.flatnonzero(new), len(rows)]).astype(np.int64),
+            "counts": np.where(cut, 0, pc[rows]).astype(np.uint32),
             "tokens": np.where(cut, pad, cont[rows]).astype(tdt)}
 
 
@@ -483,10 +480,10 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
         t_tok = time.perf_counter() - t0
         tokens = np.memmap(tmp / "corpus.bin", dtype=tdt, mode="r", shape=(n_tokens,))
 
-        # 1. spill (key, pair, pos) records into partitions by the key's top bits (partition order = key order)
+        # 1. spill (key, pos) records into partitions by the key's top bits (partition order = key order)
         n_rec = n_tokens * len(orders)
-        budget = max(int(memory_mb * 2**20), 1 << 16)  # bytes one partition may use while counted (~12x its records)
-        bits = min(16, max(0, math.ceil(math.log2(max(1.0, n_rec * REC.itemsize * 12 / budget)))))
+        budget = max(int(memory_mb * 2**20), 1 << 16)  # bytes one partition may use while counted (~40x its records)
+        bits = min(10, max(0, math.ceil(math.log2(max(1.0, n_rec * REC.itemsize * 40 / budget)))))
         parts = [open(tmp / f"part{p:04d}.bin", "wb") for p in range(1 << bits)]
         chunk = max(1 << 12, budget // (REC.itemsize * len(orders) * 8))
         for a in range(0, n_tokens, chunk):
