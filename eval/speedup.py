@@ -27,7 +27,7 @@ import torch
 from eval.acceptance import chat_prompt_ids, load_prompts
 from inference.runtime import Runtime, RuntimeStats
 from inference.sampling import SamplingConfig
-from inference.schedulers import DynamicK
+from inference.schedulers import ConfidencePrefix, DynamicK
 from inference.sources import build_source
 from models.errors import DraftheadsError
 from models.target import DEFAULT_TARGET, load_target
@@ -67,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--k", type=int, default=4, help="draft length (start value with --dynamic-k)")
     ap.add_argument("--dynamic-k", action="store_true", help="sliding-window K schedule (max --k-max)")
     ap.add_argument("--k-max", type=int, default=8)
+    ap.add_argument("--prefix", action="store_true",
+                    help="confidence prefix scheduler on the profiled verify cost (measured acceptance when the "
+                         "source gives no confidences)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=1)
@@ -131,11 +134,12 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
     rt = Runtime(target, max_len=max_len, batch_size=args.batch, cuda_graphs=args.cuda_graphs, compile=args.compile)
     cost = rt.profile_cost(sizes=(1, 2, 4, 8, 16))
     schedule = (lambda: DynamicK(k=args.k, k_max=args.k_max)) if args.dynamic_k else None
+    prefix = ConfidencePrefix(cost) if args.prefix else None
 
     def once(mode: str, batch: list[list[int]], stats: RuntimeStats | None):
         if mode in ("plain", "spec"):
             g = rt.generate(batch, args.max_new, source=source if mode == "spec" else None, sampling=sampling,
-                            k=args.k, schedule=schedule, seed=args.seed, ignore_eos=True)
+                            k=args.k, schedule=schedule, prefix=prefix, seed=args.seed, ignore_eos=True)
             if stats is not None:
                 _merge(stats, g.stats)
             return g.tokens
@@ -185,7 +189,7 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
     result = {
         "bench": "speedup", "target": args.target, "source": args.source, "dtype": args.dtype, "device": args.device,
         "temperature": args.temperature, "cuda_graphs": args.cuda_graphs, "compile": args.compile, "k": args.k,
-        "dynamic_k": args.dynamic_k, "batch": args.batch,
+        "dynamic_k": args.dynamic_k, "prefix": args.prefix, "batch": args.batch,
         "max_new": args.max_new, "prompts": len(prompts), "repeats": args.repeats, "threads": args.threads,
         "kv_cache_bytes": rt.kv_cache_bytes,
         "verify_ms": {n: round(s * 1000, 2) for n, s in zip(cost.sizes, cost.seconds)},

@@ -208,6 +208,8 @@ class Runtime:
                         stats.tested[j] += 1
                         stats.accepted[j] += j < len(path)
                     schedules[b].update(draft.size, len(path))
+                    if prefix is not None and draft.parents is None:
+                        prefix.update(draft.size, len(path))
                     if b in chosen and selector is not None:
                         selector.record_verify(chosen[b], len(emitted), dt * (1 + draft.size) / width)
                     for tok in emitted:

@@ -83,11 +83,18 @@ class ConfidencePrefix:
     """DSpark's confidence prefix scheduler. Token j survives with s_j = prod_{i<=j} confidences_i, so a
     prefix of n drafts emits E(n) = 1 + sum_{j<=n} s_j tokens per verification costing cost(1 + n). Admit
     drafts greedily while E/cost (tokens per second) still rises; stop at the first that lowers it. Only
-    truncates: lossless. Drafts without confidences (and trees) pass through unchanged."""
+    truncates: lossless. Trees pass through unchanged.
 
-    def __init__(self, cost: VerifyCost, min_keep: int = 0):
-        self.cost, self.min_keep = cost, min_keep
+    Drafts without confidences (prompt lookup, draft files) use the measured conditional acceptance per
+    position instead (exponentially weighted, prior 1/2, fed by the runtime through `update`); every
+    `explore_every`-th such draft is kept whole so a source that got better is noticed again."""
+
+    def __init__(self, cost: VerifyCost, min_keep: int = 0, explore_every: int = 8, decay: float = 0.98):
+        self.cost, self.min_keep, self.explore_every, self.decay = cost, min_keep, explore_every, decay
         self.kept: list[int] = []
+        self.tested: list[float] = []  # per position j: weighted rounds where j was verified
+        self.accepted: list[float] = []  # ... and accepted
+        self.unconfident = 0
 
     def keep(self, confidences: list[float]) -> int:
         survival, expected = 1.0, 1.0
@@ -101,10 +108,28 @@ class ConfidencePrefix:
             expected, best, n = expected + survival, max(best, rate), j
         return n
 
+    def measured(self, k: int) -> list[float]:
+        """Conditional acceptance estimate for positions 0..k-1 (Laplace prior: 1/2 when unseen)."""
+        return [(self.accepted[j] + 1) / (self.tested[j] + 2) if j < len(self.tested) else 0.5 for j in range(k)]
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """One verified chain: positions 0..min(accepted, proposed-1) were tested, 0..accepted-1 accepted."""
+        while len(self.tested) < proposed:
+            self.tested.append(0.0)
+            self.accepted.append(0.0)
+        for j in range(min(accepted + 1, proposed)):
+            self.tested[j] = self.tested[j] * self.decay + 1
+            self.accepted[j] = self.accepted[j] * self.decay + (j < accepted)
+
     def truncate(self, draft: Draft) -> Draft:
-        if draft.confidences is None or draft.parents is not None or draft.size == 0:
+        if draft.parents is not None or draft.size == 0:
             return draft
-        n = self.keep(draft.confidences.tolist())
+        if draft.confidences is not None:
+            n = self.keep(draft.confidences.tolist())
+        else:
+            self.unconfident += 1
+            explore = self.explore_every and self.unconfident % self.explore_every == 0
+            n = draft.size if explore else self.keep(self.measured(draft.size))
         self.kept.append(n)
         cut = lambda t: None if t is None else t[:n]  # noqa: E731
         return Draft(draft.tokens[:n], cut(draft.probs), cut(draft.confidences), None)

@@ -1,5 +1,7 @@
 """K schedules, the confidence prefix scheduler, group planning, the source selector; all lossless."""
 
+import time
+
 import torch
 
 from inference.runtime import Runtime
@@ -48,9 +50,25 @@ def test_confidence_prefix_admits_by_tokens_per_second():
     assert sched.keep([0.05, 0.9]) == 0  # a hopeless first token: verify the anchor alone
     d = sched.truncate(Draft(torch.tensor([5, 6, 7, 8]), confidences=torch.tensor([0.9, 0.9, 0.5, 0.1])))
     assert d.tokens.tolist() == [5, 6, 7] and d.confidences.numel() == 3
-    no_conf = Draft(torch.tensor([5, 6]))
-    assert sched.truncate(no_conf) is no_conf
+    tree = Draft(torch.tensor([5, 6]), parents=torch.tensor([-1, -1]))
+    assert sched.truncate(tree) is tree
     assert abs(cost(3) - 1.2) < 1e-9 and abs(cost(16) - 3.4) < 1e-9  # interpolated / extrapolated
+
+
+def test_confidence_prefix_learns_acceptance_without_confidences():
+    cost = VerifyCost([1, 2, 4, 8], [1.0, 1.1, 1.3, 2.0])
+    sched = ConfidencePrefix(cost, explore_every=4)
+    draft = Draft(torch.tensor([5, 6, 7, 8]))
+    assert sched.measured(2) == [0.5, 0.5]
+    assert sched.truncate(draft).size == 2  # prior 1/2: E/cost 1.5/1.1, 1.75/1.2 = 1.458, 1.875/1.3 = 1.442: stop
+    for _ in range(30):
+        sched.update(4, 0)  # the source is always wrong at position 0
+    assert sched.measured(1)[0] < 0.05 and sched.tested[1] == 0  # position 1 was never verified
+    sizes = [sched.truncate(draft).size for _ in range(4)]
+    assert sizes == [0, 0, 4, 0]  # draft skipped (verify the anchor alone), except the exploring call
+    for _ in range(200):
+        sched.update(4, 4)  # the source got good: whole drafts accepted
+    assert sched.truncate(draft).size == 4
 
 
 def test_plan_groups_splits_only_when_padding_costs_more():
@@ -84,6 +102,7 @@ class WrongSource:
         pass
 
     def propose(self, ctx, k, sampling):
+        time.sleep(0.005)  # a margin over timing noise on a loaded machine
         return Draft(torch.full((k,), 2, dtype=torch.long))
 
 
@@ -99,4 +118,4 @@ def test_schedulers_are_lossless_through_the_runtime(tiny_target):
     assert g.tokens == ref and min(prefix.kept) < max(prefix.kept)  # it did cut some drafts
     sel = SourceSelector([WrongSource(), oracle], warmup=2)
     g = rt.generate(prompts, 40, k=4, selector=sel, ignore_eos=True)
-    assert g.tokens == ref and sel.picks[1] > 3 * sel.picks[0]
+    assert g.tokens == ref and sel.picks[1] > 2 * sel.picks[0]
