@@ -37,7 +37,6 @@ import itertools
 import json
 import math
 import mmap
-import os
 import struct
 import sys
 import tempfile

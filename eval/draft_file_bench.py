@@ -6,6 +6,10 @@
     python -m eval.draft_file_bench --out outputs/draft_file/small.dfl --stdlib-max-files 200 --sharegpt-records 500
     # tau on HumanEval (code) and MT-bench (chat), K = 4 and 8, prompt lookup alone vs file + prompt lookup:
     python -m eval.draft_file_bench --tau-only --out outputs/draft_file/big.dfl --tau-limit 8 --max-new 64
+    # or through eval.acceptance once "draft_file" is registered in inference/sources/__init__.py (the bench
+    # writes outputs/draft_file/humaneval.jsonl, HumanEval prompts in its --prompts format):
+    python -m eval.acceptance --prompts outputs/draft_file/humaneval.jsonl --source draft_file:outputs/draft_file/big.dfl \
+        --k 4 --max-new 64 --out outputs/acc/dfl_he_k4.json
 
 The corpora are written to one JSONL of {"text": ...} (stdlib, without site-packages and tests) plus a JSONL
 slice of ShareGPT records (rendered with the chat template by data.readers.iter_documents), so the slice
@@ -74,6 +78,17 @@ def write_corpora(work: Path, stdlib: Path, max_files: int | None, sharegpt_reco
                 f.write(json.dumps(rec) + "\n")
         paths.append(str(work / "sharegpt.jsonl"))
     return paths
+
+
+def write_humaneval_prompts(path: Path) -> Path:
+    """HumanEval as eval.acceptance prompt JSONL ({"question_id", "category", "turns"})."""
+    from data.readers import read_humaneval
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for rec in read_humaneval():
+            f.write(json.dumps({"question_id": rec["id"], "category": "humaneval", "turns": rec["turns"]}) + "\n")
+    return path
 
 
 def validation_contexts(f: DraftFile, n: int, seed: int = 0) -> np.ndarray:
@@ -170,6 +185,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
+    write_humaneval_prompts(out.parent / "humaneval.jsonl")
     result = {"bench": "draft_file"}
     if not args.tau_only:
         tokenizer, name, vocab = load_tokenizer(args.target)

@@ -56,6 +56,8 @@ def test_prompt_lookup_goes_first_when_the_context_repeats(fox_file):
     assert text(draft.tokens) == "owl." and source.stats["prompt"] == 1
     draft = propose(source, "a quick brown ", 4)  # no repeated 2-gram in the context: the file answers
     assert text(draft.tokens) == "fox " and source.stats["file"] == 1
+    draft = propose(source, "XQ-ZQ", 3)  # no repeated 2-gram, 'Q' unknown to the file: 1-gram lookup copies
+    assert text(draft.tokens) == "-ZQ" and source.stats["fallback"] == 1
 
 
 def test_tree_draft_keeps_the_k_most_likely_nodes(fox_file):

@@ -3,7 +3,8 @@
 Prompt lookup wins when the current context repeats itself (an n-gram of >= `prompt_min_ngram`
 tokens occurred earlier: copied code, quoted text, repetition loops); otherwise the file's longest
 matching order proposes its best continuation, and when that runs out before k tokens the file is
-asked again with the drafted tokens appended (a chain walk). Drafts are point masses (probs=None),
+asked again with the drafted tokens appended (a chain walk). When the file knows nothing either,
+single-token prompt lookup gets the last word, so the source drafts wherever prompt lookup alone would. Drafts are point masses (probs=None),
 which the lossless rejection rule handles at any temperature.
 
 Confidence of draft token j = P(t_j | key, t_<j) from the file's exact prefix counts (how often the
@@ -40,9 +41,11 @@ class DraftFileSource:
         if target is not None:
             self.file.check_target(target)
         self.prompt = PromptLookup(max_ngram=prompt_max_ngram, min_ngram=prompt_min_ngram) if prompt_lookup else None
+        self.fallback = PromptLookup(max_ngram=prompt_min_ngram - 1, min_ngram=1) \
+            if prompt_lookup and prompt_min_ngram > 1 else None
         self.tree = tree
         self.window = max(self.file.orders)
-        self.stats = {"prompt": 0, "file": 0, "none": 0}  # which part answered each propose()
+        self.stats = {"prompt": 0, "file": 0, "fallback": 0, "none": 0}  # which part answered each propose()
 
     def reset(self) -> None:
         if self.prompt is not None:
@@ -58,7 +61,12 @@ class DraftFileSource:
                 return draft
         tail = ctx.tokens[-self.window:].tolist()
         draft = self._tree(tail, k) if self.tree else self._chain(tail, k)
-        self.stats["file" if draft.size else "none"] += 1
+        if draft.size:
+            self.stats["file"] += 1
+            return draft
+        if self.fallback is not None:
+            draft = self.fallback.propose(ctx, k, sampling)
+        self.stats["fallback" if draft.size else "none"] += 1
         return draft
 
     def _chain(self, tail: list[int], k: int) -> Draft:
