@@ -93,12 +93,14 @@ class Tally:
     verify_time: float = 0.0
     tested: torch.Tensor = field(default=None)
     accepted: torch.Tensor = field(default=None)
+    records: list = field(default_factory=list)  # one small dict per turn, to spot outliers
 
     def __post_init__(self):
         self.tested = torch.zeros(self.k, dtype=torch.long)
         self.accepted = torch.zeros(self.k, dtype=torch.long)
 
-    def add(self, res: SpecResult) -> None:
+    def add(self, res: SpecResult, **about) -> None:
+        self.records.append({**about, "tokens": len(res.tokens), "rounds": res.n_verify, "tau": round(res.tau, 4)})
         self.turns += 1
         self.tokens += len(res.tokens)
         self.rounds += res.n_verify
@@ -145,7 +147,7 @@ def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfi
             messages.append({"role": "user", "content": user})
             ids = chat_prompt_ids(target.tokenizer, messages)
             res = speculative_generate(target, source, ids, max_new, k, sampling, seed=seed + 1000 * i + turn)
-            tally.add(res)
+            tally.add(res, question_id=prompt.get("question_id", i), category=prompt["category"], turn=turn)
             answer = target.tokenizer.decode(res.tokens, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
     return tallies
@@ -202,6 +204,7 @@ def run(args: argparse.Namespace) -> dict:
         "target": target.fingerprint,
         "overall": overall.summary(),
         "categories": {name: t.summary() for name, t in tallies.items()},
+        "turns": [r for t in tallies.values() for r in t.records],
     }
 
 

@@ -83,7 +83,7 @@ def generate_plain(target, prompt_ids, max_new: int, sampling: SamplingConfig, s
     device = target.device
     eos = set(eos_token_ids(target) if eos_ids is None else eos_ids)
     generator = torch.Generator(device=device).manual_seed(seed)
-    cache = DynamicCache()
+    cache = DynamicCache(config=target.model.config)  # per-layer types (sliding window) from the config
     inputs = prompt[None].to(device)  # [1, T]
     out_tokens: list[int] = []
     while len(out_tokens) < max_new:
@@ -127,7 +127,7 @@ def speculative_generate(
         aux = torch.empty(seq.numel(), len(target.layer_ids) * target.hidden_size, device=device, dtype=target.dtype)
         final = torch.empty(seq.numel(), target.hidden_size, device=device, dtype=target.dtype)
 
-    cache = DynamicCache()
+    cache = DynamicCache(config=target.model.config)  # per-layer types (sliding window) from the config
     t0 = time.perf_counter()
     if length > 1:
         out = target(prompt[None, :-1].to(device), past_key_values=cache, use_cache=True, compute_logits=False)

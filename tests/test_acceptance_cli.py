@@ -52,6 +52,8 @@ def test_cli_writes_json_and_markdown(prompt_file, tmp_path, capsys, monkeypatch
     assert last["tau"] == pytest.approx(overall["tau"], abs=1e-4) and 1.0 <= overall["tau"] <= 4.0
     assert len(overall["acceptance"]) == 3 and 0 < overall["mean_draft_len"] <= 3
     assert results["target"]["name"] == "tiny-random-llama"
+    assert [(r["question_id"], r["turn"]) for r in results["turns"]] == [(1, 0), (1, 1), (2, 0), (3, 0)]
+    assert sum(r["tokens"] for r in results["turns"]) == overall["tokens"]
 
     md = out.with_suffix(".md").read_text()
     assert "| category |" in md and "| qa |" in md and "acc@3" in md
