@@ -86,7 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def hf_generate(target, prompt: list[int], max_new: int, sampling: SamplingConfig, lookup_k: int | None, seed: int):
     ids = torch.tensor([prompt], device=target.device)
-    kwargs = dict(max_new_tokens=max_new, min_new_tokens=max_new, attention_mask=torch.ones_like(ids),
+    # eos_token_id=[]: run through EOS like our runtime's ignore_eos (min_new_tokens would *suppress* EOS
+    # and change the tokens, so outputs would stop being comparable after the first EOS)
+    kwargs = dict(max_new_tokens=max_new, eos_token_id=[], attention_mask=torch.ones_like(ids),
                   pad_token_id=target.tokenizer.pad_token_id or 0)
     if sampling.greedy:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
