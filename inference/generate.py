@@ -26,6 +26,7 @@ from transformers import DynamicCache
 from inference.sampling import SamplingConfig
 from inference.sources.base import Draft, DraftContext, DraftSource
 from inference.verify import position_outcomes, verify_chain
+from models.errors import DraftheadsError
 
 
 @dataclass
@@ -146,6 +147,9 @@ def speculative_generate(
             ctx = DraftContext(seq[:length], aux[: length - 1] if features else None,
                                final[: length - 1] if features else None)
             draft = _truncate(source.propose(ctx, k_round, sampling), k_round)
+            if draft.parents is not None:
+                raise DraftheadsError(f"source '{source.name}' proposed a token tree; this reference loop verifies "
+                                      "chains only: configure the source for chains (e.g. tree=0) or use the tree runtime")
         _sync(device)
         t1 = time.perf_counter()
 

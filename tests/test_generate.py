@@ -179,6 +179,22 @@ def test_edge_cases(tiny_target):
     assert len(spec.tokens) == 1 and spec.draft_lengths == [0]
 
 
+def test_tree_drafts_are_refused_with_a_clear_error(tiny_target):
+    from models.errors import DraftheadsError
+
+    class TreeSource:
+        name, needs_features = "tree", False
+
+        def reset(self):
+            pass
+
+        def propose(self, ctx, k, sampling):
+            return Draft(torch.tensor([1, 2]), parents=torch.tensor([-1, -1]))
+
+    with pytest.raises(DraftheadsError, match="source 'tree' proposed a token tree"):
+        speculative_generate(tiny_target, TreeSource(), prompts(1)[0], 8, 2, GREEDY)
+
+
 @pytest.mark.slow
 def test_greedy_equality_smollm2_prompt_lookup(smollm2):
     from eval.acceptance import chat_prompt_ids
