@@ -204,7 +204,7 @@ def main(argv=None) -> None:
         s = stats(f)
         result["file"] = {k: s[k] for k in ("keys", "entries", "file_bytes", "table_bytes", "min_count",
                                             "val_hit_rate", "val_coverage", "per_order")}
-        result["coverage_curve"] = [{k: c[k] for k in ("min_count", "table_bytes", "hit_rate", "coverage")}
+        result["coverage_curve"] = [{k: c[k] for k in ("min_count", "table_bytes_bound", "hit_rate", "coverage")}
                                     for c in f.header["validation"]["curve"]]
         ctx = validation_contexts(f, args.contexts)
         result["latency_cpu"] = latency(f, ctx)

@@ -143,7 +143,7 @@ def test_coverage_picks_the_smallest_table_reaching_it(tmp_path):
     rep = build_tiny([corpus], tmp_path / "cov.dfl", coverage=0.5, validation=0.2)
     curve = DraftFile(tmp_path / "cov.dfl").header["validation"]["curve"]
     assert rep["validation_tokens"] > 0 and len(curve) > 3
-    sizes = [c["table_bytes"] for c in curve]
+    sizes = [c["table_bytes_bound"] for c in curve]
     assert sizes == sorted(sizes, reverse=True)  # higher min-count, smaller table
     chosen = rep["selected"]
     assert chosen["coverage"] >= 0.5
