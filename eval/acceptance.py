@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from data.chat import prompt_ids
 from eval.report import markdown_table, write_report
 from inference.generate import SpecResult, speculative_generate
 from inference.sampling import SamplingConfig
@@ -71,12 +72,6 @@ def load_prompts(path: str | Path, categories: list[str] | None = None, limit: i
     if not prompts:
         raise DraftheadsError(f"no prompts left from '{path}' after --categories/--limit; widen the selection")
     return prompts
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The target's chat template with the generation prompt, tokenized without extra special tokens."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @dataclass
@@ -145,7 +140,7 @@ def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfi
         messages = []
         for turn, user in enumerate(prompt["turns"]):
             messages.append({"role": "user", "content": user})
-            ids = chat_prompt_ids(target.tokenizer, messages)
+            ids = prompt_ids(target.tokenizer, messages)  # chat template + generation prompt
             res = speculative_generate(target, source, ids, max_new, k, sampling, seed=seed + 1000 * i + turn)
             tally.add(res, question_id=prompt.get("question_id", i), category=prompt["category"], turn=turn)
             answer = target.tokenizer.decode(res.tokens, skip_special_tokens=True)

@@ -197,12 +197,12 @@ def test_tree_drafts_are_refused_with_a_clear_error(tiny_target):
 
 @pytest.mark.slow
 def test_greedy_equality_smollm2_prompt_lookup(smollm2):
-    from eval.acceptance import chat_prompt_ids
+    from data.chat import prompt_ids
 
     questions = ["Write a haiku about the sea, then explain each line.",
                  "List the first ten prime numbers and give a one-line proof that there are infinitely many."]
     for q in questions:
-        ids = chat_prompt_ids(smollm2.tokenizer, [{"role": "user", "content": q}])
+        ids = prompt_ids(smollm2.tokenizer, [{"role": "user", "content": q}])
         plain = generate_plain(smollm2, ids, 32, GREEDY)
         spec = speculative_generate(smollm2, PromptLookup(), ids, 32, 4, GREEDY)
         assert spec.tokens == plain
