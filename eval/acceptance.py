@@ -128,8 +128,8 @@ class Tally:
 
 
 def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfig, max_new: int, seed: int = 0,
-            progress: bool = True) -> dict[str, Tally]:
-    """Run every prompt (all its turns) -> {category: Tally}."""
+            progress: bool = True, save_tokens: bool = False) -> dict[str, Tally]:
+    """Run every prompt (all its turns) -> {category: Tally}; save_tokens keeps each turn's output ids."""
     from tqdm import tqdm
 
     tallies: dict[str, Tally] = {}
@@ -142,7 +142,8 @@ def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfi
             messages.append({"role": "user", "content": user})
             ids = prompt_ids(target.tokenizer, messages)  # chat template + generation prompt
             res = speculative_generate(target, source, ids, max_new, k, sampling, seed=seed + 1000 * i + turn)
-            tally.add(res, question_id=prompt.get("question_id", i), category=prompt["category"], turn=turn)
+            about = {"question_id": prompt.get("question_id", i), "category": prompt["category"], "turn": turn}
+            tally.add(res, **about, **({"output_ids": res.tokens} if save_tokens else {}))
             answer = target.tokenizer.decode(res.tokens, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
     return tallies
@@ -166,6 +167,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--save-tokens", action="store_true", help="keep every turn's output token ids in the JSON")
     return ap.parse_args(argv)
 
 
@@ -181,7 +183,8 @@ def run(args: argparse.Namespace) -> dict:
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
     target = load_target(args.target, path=args.target_path, dtype=args.dtype)
     source = build_source(args.source, target)
-    tallies = measure(target, source, prompts, args.k, sampling, args.max_new, args.seed, not args.no_progress)
+    tallies = measure(target, source, prompts, args.k, sampling, args.max_new, args.seed, not args.no_progress,
+                      args.save_tokens)
 
     overall = Tally(args.k)
     for tally in tallies.values():

@@ -54,6 +54,12 @@ def test_cli_writes_json_and_markdown(prompt_file, tmp_path, capsys, monkeypatch
     assert results["target"]["name"] == "tiny-random-llama"
     assert [(r["question_id"], r["turn"]) for r in results["turns"]] == [(1, 0), (1, 1), (2, 0), (3, 0)]
     assert sum(r["tokens"] for r in results["turns"]) == overall["tokens"]
+    assert "output_ids" not in results["turns"][0]
+    # --save-tokens keeps each turn's output; greedy outputs do not depend on k
+    out2 = tmp_path / "acc2.json"
+    assert cli(prompt_file, out2, "--save-tokens", "--k", "1") == 0
+    turns2 = json.loads(out2.read_text())["turns"]
+    assert [len(r["output_ids"]) for r in turns2] == [r["tokens"] for r in results["turns"]]
 
     md = out.with_suffix(".md").read_text()
     assert "| category |" in md and "| qa |" in md and "acc@3" in md
