@@ -24,7 +24,8 @@ from collections import defaultdict
 
 import torch
 
-from eval.acceptance import chat_prompt_ids, load_prompts
+from data.chat import prompt_ids
+from eval.acceptance import load_prompts
 from inference.runtime import Runtime, RuntimeStats
 from inference.sampling import SamplingConfig
 from inference.schedulers import ConfidencePrefix, DynamicK
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
     sampling = SamplingConfig(temperature=args.temperature)
     records = load_prompts(args.prompts, args.categories.split(",") if args.categories else None, args.limit)
     tok = target.tokenizer
-    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": r["turns"][0]}]) for r in records]
+    prompts = [prompt_ids(tok, [{"role": "user", "content": r["turns"][0]}]).tolist() for r in records]
 
     by_cat = defaultdict(list)
     for r, p in zip(records, prompts):

@@ -282,7 +282,7 @@ class Runtime:
         row = self.cache.all_rows()[:1]
         ids = torch.randint(0, self.target.vocab_size, (1, context + max(sizes)), device=self.device)
         self.cache.reset()
-        self.forward(ids[:, :context], self.cache, rows=row, compute_logits=False)
+        self.prefill(ids[:, :context], self.cache, rows=row, compute_logits=False)
         self.cache.commit(row, torch.tensor([context], device=self.device))
         seconds = []
         for n in sizes:
