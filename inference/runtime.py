@@ -135,6 +135,8 @@ class Runtime:
         sources = selector.sources if selector is not None else ([source] if source is not None else [])
         for s in sources:
             s.reset()
+        if prefix is not None:
+            prefix.reset()
         feats = any(getattr(s, "needs_features", False) for s in sources)
         aux, final = self._features() if feats else (None, None)
         schedules = [(schedule or (lambda: FixedK(k)))() for _ in range(B)]
@@ -177,7 +179,7 @@ class Runtime:
                                        final[b, : n - 1] if feats else None)
                     draft = _truncate(sources[chosen[b]].propose(ctx, k_b, sampling), k_b)
                     if prefix is not None:
-                        draft = prefix.truncate(draft)
+                        draft = prefix.truncate(draft, key=b)
                 drafts[b] = draft
                 self._sync()
                 dt = time.perf_counter() - t0
@@ -209,7 +211,7 @@ class Runtime:
                         stats.accepted[j] += j < len(path)
                     schedules[b].update(draft.size, len(path))
                     if prefix is not None and draft.parents is None:
-                        prefix.update(draft.size, len(path))
+                        prefix.update(draft.size, len(path), key=b)
                     if b in chosen and selector is not None:
                         selector.record_verify(chosen[b], len(emitted), dt * (1 + draft.size) / width)
                     for tok in emitted:

@@ -86,15 +86,19 @@ class ConfidencePrefix:
     truncates: lossless. Trees pass through unchanged.
 
     Drafts without confidences (prompt lookup, draft files) use the measured conditional acceptance per
-    position instead (exponentially weighted, prior 1/2, fed by the runtime through `update`); every
-    `explore_every`-th such draft is kept whole so a source that got better is noticed again."""
+    position instead, per request (`key`; exponentially weighted, prior 1/2, fed by the runtime through
+    `update`, cleared by `reset` at each generate call); every `explore_every`-th such draft of a request is
+    kept whole so a request whose drafts got better is noticed again."""
 
     def __init__(self, cost: VerifyCost, min_keep: int = 0, explore_every: int = 8, decay: float = 0.98):
         self.cost, self.min_keep, self.explore_every, self.decay = cost, min_keep, explore_every, decay
         self.kept: list[int] = []
-        self.tested: list[float] = []  # per position j: weighted rounds where j was verified
-        self.accepted: list[float] = []  # ... and accepted
-        self.unconfident = 0
+        self.tested: dict[int, list[float]] = {}  # key -> per position j: weighted rounds where j was verified
+        self.accepted: dict[int, list[float]] = {}  # ... and accepted
+        self.unconfident: dict[int, int] = {}
+
+    def reset(self) -> None:
+        self.tested, self.accepted, self.unconfident = {}, {}, {}
 
     def keep(self, confidences: list[float]) -> int:
         survival, expected = 1.0, 1.0
@@ -108,28 +112,30 @@ class ConfidencePrefix:
             expected, best, n = expected + survival, max(best, rate), j
         return n
 
-    def measured(self, k: int) -> list[float]:
+    def measured(self, k: int, key: int = 0) -> list[float]:
         """Conditional acceptance estimate for positions 0..k-1 (Laplace prior: 1/2 when unseen)."""
-        return [(self.accepted[j] + 1) / (self.tested[j] + 2) if j < len(self.tested) else 0.5 for j in range(k)]
+        tested, accepted = self.tested.get(key, []), self.accepted.get(key, [])
+        return [(accepted[j] + 1) / (tested[j] + 2) if j < len(tested) else 0.5 for j in range(k)]
 
-    def update(self, proposed: int, accepted: int) -> None:
+    def update(self, proposed: int, accepted: int, key: int = 0) -> None:
         """One verified chain: positions 0..min(accepted, proposed-1) were tested, 0..accepted-1 accepted."""
-        while len(self.tested) < proposed:
-            self.tested.append(0.0)
-            self.accepted.append(0.0)
+        tested, acc = self.tested.setdefault(key, []), self.accepted.setdefault(key, [])
+        while len(tested) < proposed:
+            tested.append(0.0)
+            acc.append(0.0)
         for j in range(min(accepted + 1, proposed)):
-            self.tested[j] = self.tested[j] * self.decay + 1
-            self.accepted[j] = self.accepted[j] * self.decay + (j < accepted)
+            tested[j] = tested[j] * self.decay + 1
+            acc[j] = acc[j] * self.decay + (j < accepted)
 
-    def truncate(self, draft: Draft) -> Draft:
+    def truncate(self, draft: Draft, key: int = 0) -> Draft:
         if draft.parents is not None or draft.size == 0:
             return draft
         if draft.confidences is not None:
             n = self.keep(draft.confidences.tolist())
         else:
-            self.unconfident += 1
-            explore = self.explore_every and self.unconfident % self.explore_every == 0
-            n = draft.size if explore else self.keep(self.measured(draft.size))
+            self.unconfident[key] = self.unconfident.get(key, 0) + 1
+            explore = self.explore_every and self.unconfident[key] % self.explore_every == 0
+            n = draft.size if explore else self.keep(self.measured(draft.size, key))
         self.kept.append(n)
         cut = lambda t: None if t is None else t[:n]  # noqa: E731
         return Draft(draft.tokens[:n], cut(draft.probs), cut(draft.confidences), None)

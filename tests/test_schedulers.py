@@ -63,12 +63,15 @@ def test_confidence_prefix_learns_acceptance_without_confidences():
     assert sched.truncate(draft).size == 2  # prior 1/2: E/cost 1.5/1.1, 1.75/1.2 = 1.458, 1.875/1.3 = 1.442: stop
     for _ in range(30):
         sched.update(4, 0)  # the source is always wrong at position 0
-    assert sched.measured(1)[0] < 0.05 and sched.tested[1] == 0  # position 1 was never verified
+    assert sched.measured(1)[0] < 0.05 and sched.tested[0][1] == 0  # position 1 was never verified
     sizes = [sched.truncate(draft).size for _ in range(4)]
     assert sizes == [0, 0, 4, 0]  # draft skipped (verify the anchor alone), except the exploring call
+    assert sched.truncate(draft, key=1).size == 2  # another request: its own statistics (the prior)
     for _ in range(200):
         sched.update(4, 4)  # the source got good: whole drafts accepted
     assert sched.truncate(draft).size == 4
+    sched.reset()
+    assert sched.measured(2) == [0.5, 0.5]
 
 
 def test_plan_groups_splits_only_when_padding_costs_more():
