@@ -42,13 +42,48 @@ def run(cfg: DictConfig) -> dict:
         regen_turns=d.regen_turns, regen_batch_size=d.regen_batch_size, regen_temperature=d.regen_temperature,
         features=d.features, shard_tokens=d.shard_tokens, seed=cfg.train.seed)}
     print("[draftheads] data:", json.dumps(report["data"]))
+    sources = list(cfg.eval.sources)
     if cfg.train.stages and d.features:
         from train.trainer import train_draft
 
         report["head"] = str(train_draft(cfg, target, out / "data" / "features", out))
+        sources.append(f"head:{report['head']}")
+    if cfg.eval.limit != 0 and sources:
+        report["eval"] = evaluate(cfg, sources, out / "eval")
     (out / "run_report.json").write_text(json.dumps(report, indent=1))
     print(f"[draftheads] outputs in {out}/")
     return report
+
+
+def evaluate(cfg: DictConfig, sources: list[str], out: Path) -> list[dict]:
+    """τ of every source at every K and temperature on the eval prompts (never trained on); one table."""
+    from eval import acceptance
+    from eval.report import markdown_table, write_report
+
+    rows = []
+    for source in sources:
+        for k in cfg.eval.k:
+            for temperature in cfg.eval.temperatures:
+                tag = f"{source.split(':')[0]}_k{k}_T{temperature:g}"
+                args = acceptance.parse_args([
+                    "--prompts", cfg.eval.prompts, "--source", source, "--k", str(k), "--temperature", str(temperature),
+                    "--max-new", str(cfg.eval.max_new), "--out", str(out / f"{tag}.json"), "--target", cfg.target.name,
+                    "--dtype", cfg.target.dtype, "--threads", str(cfg.runtime.threads), "--seed", str(cfg.train.seed),
+                    *(["--target-path", cfg.target.path] if cfg.target.path else []),
+                    *(["--limit", str(cfg.eval.limit)] if cfg.eval.limit else []),
+                    *(["--categories", cfg.eval.categories] if cfg.eval.categories else [])])
+                results = acceptance.run(args)
+                write_report(args.out, results, acceptance.table(results), f"{source}, k={k}, T={temperature:g}")
+                o = results["overall"]
+                rows.append({"source": source.split(":")[0], "k": k, "T": temperature, "tau": o["tau"],
+                             "mean_draft_len": o["mean_draft_len"], "draft_ms": o["draft_ms_per_round"],
+                             "verify_ms": o["verify_ms_per_round"],
+                             "acceptance": " ".join("-" if a is None else f"{a:.2f}" for a in o["acceptance"])})
+    md = markdown_table(rows, ["source", "k", "T", "tau", "mean_draft_len", "draft_ms", "verify_ms", "acceptance"])
+    (out / "summary.md").write_text(md + "\n")
+    print(f"\n[draftheads] tau on {cfg.eval.prompts} ({cfg.eval.categories}, limit {cfg.eval.limit}, "
+          f"max_new {cfg.eval.max_new}):\n{md}")
+    return rows
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
