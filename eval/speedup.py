@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
         raise DraftheadsError("--check-lossless compares with plain greedy decoding; use it with --temperature 0")
     target = random_smollm2_shape(args.dtype, args.device) if args.target == RANDOM_TARGET else \
         load_target(args.target, path=args.target_path, dtype=args.dtype, device=args.device)
-    source = build_source(args.source, target)
+    # one source per batch slot: sources may keep per-request state (a head's draft KV cache)
+    sources = [build_source(args.source, target) for _ in range(args.batch)]
     sampling = SamplingConfig(temperature=args.temperature)
     records = load_prompts(args.prompts, args.categories.split(",") if args.categories else None, args.limit)
     tok = target.tokenizer
@@ -141,7 +142,8 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
 
     def once(mode: str, batch: list[list[int]], stats: RuntimeStats | None):
         if mode in ("plain", "spec"):
-            g = rt.generate(batch, args.max_new, source=source if mode == "spec" else None, sampling=sampling,
+            source = sources[: len(batch)] if mode == "spec" else None
+            g = rt.generate(batch, args.max_new, source=source, sampling=sampling,
                             k=args.k, schedule=schedule, prefix=prefix, seed=args.seed, ignore_eos=True)
             if stats is not None:
                 _merge(stats, g.stats)

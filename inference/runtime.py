@@ -116,11 +116,13 @@ class Runtime:
 
     # ---------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: list, max_new: int, source: DraftSource | None = None,
+    def generate(self, prompts: list, max_new: int, source: DraftSource | list[DraftSource] | None = None,
                  sampling: SamplingConfig = SamplingConfig(), k: int = 4, schedule=None, prefix=None,
                  selector=None, seed: int = 0, ignore_eos: bool = False) -> Generation:
-        """prompts: token-id lists (one per request). schedule: () -> per-request K schedule (default FixedK(k));
-        prefix: ConfidencePrefix (cuts drafts); selector: SourceSelector (routes each request per round)."""
+        """prompts: token-id lists (one per request). source: one DraftSource for all requests (stateless ones,
+        e.g. prompt lookup) or a list with one per request (sources that cache per-request state, e.g. heads).
+        schedule: () -> per-request K schedule (default FixedK(k)); prefix: ConfidencePrefix (cuts drafts);
+        selector: SourceSelector (routes each request per round; its sources must be stateless)."""
         B = len(prompts)
         if not 0 < B <= self.cache.batch_size:
             raise DraftheadsError(f"got {B} prompts for a runtime built for batch_size={self.cache.batch_size}; "
@@ -132,7 +134,11 @@ class Runtime:
         if longest + max_new + 1 > self.cache.max_len:
             raise DraftheadsError(f"prompt of {longest} tokens + max_new {max_new} does not fit the KV cache of "
                                   f"{self.cache.max_len} positions; build the Runtime with a larger max_len")
-        sources = selector.sources if selector is not None else ([source] if source is not None else [])
+        per_request = isinstance(source, (list, tuple))  # one source per request (sources with state)
+        if per_request and len(source) != B:
+            raise DraftheadsError(f"got {len(source)} sources for {B} prompts; pass one source, or one per prompt")
+        sources = selector.sources if selector is not None else (
+            list(source) if per_request else [source] if source is not None else [])
         for s in sources:
             s.reset()
         if prefix is not None:
@@ -173,7 +179,7 @@ class Runtime:
                 k_b = min(schedules[b].k, max_new - len(outputs[b]) - 1)
                 draft = Draft(EMPTY)
                 if sources and k_b > 0:
-                    chosen[b] = selector.choose() if selector is not None else 0
+                    chosen[b] = selector.choose() if selector is not None else b if per_request else 0
                     n = n_tok[b]
                     ctx = DraftContext(self.tokens[b, :n], aux[b, : n - 1] if feats else None,
                                        final[b, : n - 1] if feats else None)

@@ -117,6 +117,17 @@ def test_speculative_greedy_is_lossless_batched(tiny_target, tree):
     assert (aux - full.aux_hidden[0]).abs().max() < 1e-4 and (final - full.final_hidden[0]).abs().max() < 1e-4
 
 
+def test_one_source_per_request(tiny_target):
+    prompts = make_prompts((6, 11), seed=2)
+    ref = reference(tiny_target, prompts, 16)
+    rt = Runtime(tiny_target, max_len=64, batch_size=2)
+    sources = [OracleSource(prompts, ref, needs_features=True) for _ in prompts]
+    assert rt.generate(prompts, 16, source=sources, k=3, ignore_eos=True).tokens == ref
+    assert all(len(s.feature_rows) > 0 for s in sources)  # each request drafted with its own source
+    with pytest.raises(DraftheadsError, match="one per prompt"):
+        rt.generate(prompts, 4, source=sources[:1])
+
+
 def test_grouped_batches_are_lossless(tiny_target):
     prompts = make_prompts((4, 30, 11, 7), seed=1)
     ref = reference(tiny_target, prompts, 30)
