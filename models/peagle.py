@@ -163,7 +163,6 @@ class PEagleDrafter(nn.Module):
         if parallel:  # the shared slot for depths 2..K (mask_hidden is 3H, before fc, as vLLM expects)
             self.mask_embedding = nn.Parameter(torch.randn(H) * 0.02)
             self.mask_hidden = nn.Parameter(torch.randn(num_aux_layers * H) * 0.02)
-        self.draft_vocab = None
         if draft_vocab_size is not None and draft_vocab_size < vocab_size:
             self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
@@ -323,7 +322,6 @@ class DraftCache:
         self.tokens = None  # [n+1] tokens the cached anchors read
         self.kv = None  # per layer (k, v) [1, kvh, n, hd]
         self.n = 0
-        self.chain_meta = None
 
     def valid_prefix(self, tokens: Tensor, n_ctx: int) -> int:
         """Keep the cached anchors whose inputs (token a+1) are unchanged, and at least one new anchor."""
