@@ -6,7 +6,7 @@
     python -m eval.draft_file_bench --out outputs/draft_file/small.dfl --stdlib-max-files 200 --sharegpt-records 500
     # tau on HumanEval (code) and MT-bench (chat), K = 4 and 8, prompt lookup alone vs file + prompt lookup:
     python -m eval.draft_file_bench --tau-only --out outputs/draft_file/big.dfl --tau-limit 8 --max-new 64
-    # or through eval.acceptance once "draft_file" is registered in inference/sources/__init__.py (the bench
+    # or through eval.acceptance ("draft_file" is registered in inference/sources/__init__.py; the bench
     # writes outputs/draft_file/humaneval.jsonl, HumanEval prompts in its --prompts format):
     python -m eval.acceptance --prompts outputs/draft_file/humaneval.jsonl --source draft_file:outputs/draft_file/big.dfl \
         --k 4 --max-new 64 --out outputs/acc/dfl_he_k4.json
@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.draft_file import DraftFile, build, load_tokenizer, stats
+from data.draft_file import DraftFile
+from data.draft_file_build import build, load_tokenizer, stats
 
 STDLIB = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")
 
@@ -67,7 +68,7 @@ def write_corpora(work: Path, stdlib: Path, max_files: int | None, sharegpt_reco
                 text = p.read_text(encoding="utf-8")
             except (UnicodeDecodeError, OSError):
                 continue
-            if text.strip():  # data.readers.iter_documents raises KeyError on {"text": ""}
+            if text.strip():  # empty documents carry no counts
                 f.write(json.dumps({"text": text}) + "\n")
     paths.append(str(work / "stdlib.jsonl"))
     if sharegpt_records:
@@ -132,10 +133,10 @@ def hot_cold(path: Path, ctx: np.ndarray, fractions=(0.01, 0.05, 0.1, 0.25, 0.5,
     return rows
 
 
-def tau(path: Path, limit: int, max_new: int, ks=(4, 8), threads: int = 2) -> dict:
+def tau(path: Path, limit: int, max_new: int, ks=(4, 8), threads: int = 1) -> dict:
     """tau per prompt set, K and source; through eval.acceptance.measure (the same loop as its CLI)."""
     from data.readers import read_humaneval
-    from eval.acceptance import load_prompts, measure
+    from eval.acceptance import Tally, load_prompts, measure
     from inference.sampling import SamplingConfig
     from inference.sources.draft_file import DraftFileSource
     from inference.sources.prompt_lookup import PromptLookup
@@ -143,7 +144,7 @@ def tau(path: Path, limit: int, max_new: int, ks=(4, 8), threads: int = 2) -> di
 
     torch.set_num_threads(threads)
     target = load_target()
-    bench = Path(__file__).resolve().parents[2] / "shared" / "bench" / "spec_bench_dev.jsonl"
+    bench = Path(__file__).resolve().parent / "data" / "spec_bench_dev.jsonl"  # bundled Spec-Bench prompts
     sets = {"humaneval": list(read_humaneval())[:limit],
             "mt_bench": load_prompts(bench, categories=["mt_bench"], limit=limit)}
     sources = {"prompt_lookup": lambda: PromptLookup(),
@@ -153,12 +154,13 @@ def tau(path: Path, limit: int, max_new: int, ks=(4, 8), threads: int = 2) -> di
         for k in ks:
             for name, make in sources.items():
                 source = make()
-                tallies = measure(target, source, prompts, k, SamplingConfig(), max_new, progress=False)
-                tokens = sum(t.tokens for t in tallies.values())
-                rounds = sum(t.rounds for t in tallies.values())
-                drafted = sum(t.drafted for t in tallies.values())
-                row = {"tau": round(tokens / max(rounds, 1), 3), "mean_draft_len": round(drafted / max(rounds, 1), 2),
-                       "tokens": tokens, "rounds": rounds}
+                overall = Tally(k)  # categories summed, as eval.acceptance reports "overall"
+                for t in measure(target, source, prompts, k, SamplingConfig(), max_new, progress=False).values():
+                    overall.merge(t)
+                s = overall.summary()
+                row = {"tau": round(s["tau"], 3), "mean_draft_len": round(s["mean_draft_len"], 2),
+                       "acceptance": [None if a is None else round(a, 4) for a in s["acceptance"]],
+                       "draft_ms_per_round": round(s["draft_ms_per_round"], 3), "tokens": s["tokens"], "rounds": s["rounds"]}
                 if hasattr(source, "stats"):
                     row["answered_by"] = dict(source.stats)
                 out[f"{set_name}/k{k}/{name}"] = row
@@ -211,7 +213,7 @@ def main(argv=None) -> None:
         result["hot_cold"] = hot_cold(out, ctx)
         print(json.dumps({k: result[k] for k in ("build", "latency_cpu")}), file=sys.stderr)
     if args.tau or args.tau_only:
-        result["tau"] = tau(out, args.tau_limit, args.max_new, threads=max(args.threads, 2))
+        result["tau"] = tau(out, args.tau_limit, args.max_new, threads=args.threads)
     print(json.dumps(result))
 
 

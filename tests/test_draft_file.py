@@ -6,7 +6,8 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 
-from data.draft_file import DraftFile, build, inspect, main, merge, stats
+from data.draft_file import DraftFile
+from data.draft_file_build import build, inspect, main, merge, stats
 from models.errors import DraftheadsError
 from models.tiny_tokenizer import tiny_byte_tokenizer
 

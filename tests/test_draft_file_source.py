@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from data.draft_file import DraftFile, build
+from data.draft_file import DraftFile
+from data.draft_file_build import build
 from inference.generate import generate_plain, speculative_generate
 from inference.sampling import SamplingConfig
 from inference.sources.base import DraftContext
