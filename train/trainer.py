@@ -308,6 +308,9 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None)
 
 
 def _initial_head(dc, target, dataset):
+    if not dc.share_embedding:
+        raise DraftheadsError("draft.share_embedding=false is not supported: heads read the target's frozen token "
+                              "embedding (as vLLM's EAGLE-3 loader does when embed_tokens is absent); set it to true")
     if dc.init_from:  # domain fine-tuning: continue from an existing head (same family/sizes as recorded there)
         return _trainable(load_draft(dc.init_from, target))
     vocab = None
