@@ -233,3 +233,18 @@ def test_cli_build_stats_inspect(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["build", "--corpus", str(empty), "--target", "tiny-random-llama", "--out", str(tmp_path / "e.dfl")])
     assert e.value.code == 2 and "produced no tokens" in capsys.readouterr().err
+
+
+def test_module_entry_point_runs_the_cli(tmp_path):
+    """`python -m data.draft_file ...` (the documented command) reaches the CLI in data.draft_file_build."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "m.dfl"
+    build_tiny([write_corpus(tmp_path, "c", 4)], out)
+    run = subprocess.run([sys.executable, "-m", "data.draft_file", "stats", str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == stats(DraftFile(out))
+    run = subprocess.run([sys.executable, "-m", "data.draft_file", "stats", str(tmp_path / "missing.dfl")],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "does not exist" in run.stderr
