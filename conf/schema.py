@@ -48,7 +48,6 @@ class DataConfig:
     regen_temperature: float = 0.0
     features: bool = True  # extract offline features (hidden states) to safetensors shards
     shard_tokens: int = 16384  # tokens per feature shard
-    holdout_records: int = 0  # records kept out of training for validation
 
 
 @dataclass
