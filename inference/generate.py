@@ -146,7 +146,7 @@ def speculative_generate(
         if k_round > 0:
             ctx = DraftContext(seq[:length], aux[: length - 1] if features else None,
                                final[: length - 1] if features else None)
-            draft = _truncate(source.propose(ctx, k_round, sampling), k_round)
+            draft = truncate_draft(source.propose(ctx, k_round, sampling), k_round)
             if draft.parents is not None:
                 raise DraftheadsError(f"source '{source.name}' proposed a token tree; this reference loop verifies "
                                       "chains only: configure the source for chains (e.g. tree=0) or use the tree runtime")
@@ -182,7 +182,7 @@ def speculative_generate(
     return res
 
 
-def _truncate(draft: Draft, k: int) -> Draft:
+def truncate_draft(draft: Draft, k: int) -> Draft:
     """A source may return more than asked; keep the first k (and their probs / confidences)."""
     if draft.size <= k:
         return draft

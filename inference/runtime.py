@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from inference.generate import _truncate, eos_token_ids
+from inference.generate import truncate_draft, eos_token_ids
 from inference.kernels import accept_greedy_batched
 from inference.llama import LlamaForward
 from inference.sampling import SamplingConfig
@@ -183,7 +183,7 @@ class Runtime:
                     n = n_tok[b]
                     ctx = DraftContext(self.tokens[b, :n], aux[b, : n - 1] if feats else None,
                                        final[b, : n - 1] if feats else None)
-                    draft = _truncate(sources[chosen[b]].propose(ctx, k_b, sampling), k_b)
+                    draft = truncate_draft(sources[chosen[b]].propose(ctx, k_b, sampling), k_b)
                     if prefix is not None:
                         draft = prefix.truncate(draft, key=b)
                 drafts[b] = draft
