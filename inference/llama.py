@@ -14,20 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inference.kv_cache import StaticKVCache
+from models.layers import rms_norm, rotate_half
 from models.errors import DraftheadsError
 from models.target import Target, TargetOutput
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """LlamaRMSNorm: statistics in float32, scale in the input dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
 
 
 class LlamaForward:

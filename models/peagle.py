@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.draft_vocab import DraftVocab
+from models.layers import rms_norm, rotate_half
 
 
 class RMSNorm(nn.Module):
@@ -35,10 +36,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotary(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -50,9 +48,7 @@ def rotary(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tens
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
 
 class Attention(nn.Module):
