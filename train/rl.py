@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inference.sampling import SamplingConfig
 from models.checkpoint import FAMILIES
 from models.errors import DraftheadsError
 from models.peagle import DraftCache
@@ -102,9 +103,10 @@ def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
             anchors.append(a)
 
         # 1-2. on-policy blocks (no grad): y [B, K]
+        sampling = SamplingConfig(temperature=temperature)  # the runtime's one sampler
+
         def sampler(logits):
-            full = core.full_vocab_logits(logits.float())
-            tok = torch.multinomial(F.softmax(full / temperature, -1), 1, generator=g).squeeze(-1)
+            tok = sampling.sample(core.full_vocab_logits(logits.float()), g)
             blocks[-1].append(tok)
             return tok
 
@@ -114,7 +116,7 @@ def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
             feats = item[core.feature][: a + 1].to(device)
             logits = core.full_vocab_logits(core.draft_logits(item["input_ids"][: a + 2].to(device), feats, DraftCache(),
                                                               k, sampler).float())
-            rest = torch.multinomial(F.softmax(logits[len(blocks[-1]):] / temperature, -1), 1, generator=g).squeeze(-1)
+            rest = sampling.sample(logits[len(blocks[-1]):], g)
             blocks[-1] = torch.cat([torch.stack(blocks[-1]).view(-1), rest]) if blocks[-1] else rest
         y = torch.stack(blocks).to(device)  # [B, K]
 
