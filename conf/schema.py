@@ -82,6 +82,8 @@ class TrainConfig:
     rl_pg_weight: float = 0.1  # REINFORCE term on the exact-rule accepted length (leave-one-out batch baseline)
     rl_max_context: int = 256  # RL: context tokens the target re-reads per block (keeps the online forward cheap)
     checkpoint_every: int = 50
+    holdout_sequences: int = 0  # feature sequences held out (from the end) for validation; 0 = none
+    eval_every: int = 100  # stage 1: validate every N steps; the head with the lowest validation loss is kept
     log_every: int = 10
     seed: int = 0
     resume: bool = True  # resume from the newest checkpoint in the output directory

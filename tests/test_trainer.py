@@ -58,7 +58,7 @@ def make_cfg(tmp_path, **train):
 
 def losses(path):
     rows = [json.loads(x) for x in path.read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["stage"] == "soft_label"}
+    return {r["step"]: r["loss"] for r in rows if r["stage"] == "soft_label" and "loss" in r}
 
 
 @pytest.mark.parametrize("family,parallel", [("peagle", True), ("eagle3", False), ("medusa", True)])
@@ -101,6 +101,23 @@ def test_resume_after_kill_reproduces_the_curve(tiny_target, tmp_path):
     wb = load_draft(killed / "head", tiny_target).state_dict()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+
+
+def test_holdout_validation_keeps_the_best_head(peaked_target, tmp_path):
+    from train.trainer import train_draft
+
+    feats = tiny_features(peaked_target, n=7) + tiny_features(peaked_target, n=3)  # held out: motifs seen in training
+    cfg = make_cfg(tmp_path, steps=12, holdout_sequences=3, eval_every=4, lr=3e-2)
+    head_dir = train_draft(cfg, peaked_target, feats, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r for r in rows if "val_loss" in r}
+    assert sorted(val) == [4, 8, 12]
+    assert val[12]["val_loss"] < val[4]["val_loss"]
+    assert 1.0 <= val[12]["val_tau_est"] <= 1 + 3 and {"val_acc_1", "val_acc_2", "val_acc_3"} <= set(val[12])
+    best_step = min(val, key=lambda s: val[s]["val_loss"])
+    assert json.loads((head_dir / "metrics.json").read_text())["best_step"] == best_step
+    with pytest.raises(DraftheadsError, match="holdout_sequences=10 leaves nothing"):
+        train_draft(make_cfg(tmp_path / "b", holdout_sequences=10), peaked_target, feats, tmp_path / "b")
 
 
 def test_checkpoint_refuses_a_foreign_target(tiny_target, tmp_path):

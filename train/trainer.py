@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from models.checkpoint import build_draft, load_draft, save_draft
@@ -51,6 +52,30 @@ def open_features(features, target):
     if len(features) == 0:
         raise DraftheadsError("the feature set is empty; extract features from at least one sequence first")
     return features
+
+
+class Subset:
+    """Sequences `indices` of a feature set (the train / held-out split)."""
+
+    def __init__(self, dataset, indices: list[int]):
+        self.dataset, self.indices = dataset, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.dataset[self.indices[i]]
+
+
+def split_holdout(dataset, holdout: int):
+    """(train, held-out): the last `holdout` sequences are held out; never trained on."""
+    n = len(dataset)
+    if holdout <= 0:
+        return dataset, None
+    if holdout >= n:
+        raise DraftheadsError(f"train.holdout_sequences={holdout} leaves nothing to train on ({n} sequences); "
+                              "lower it or add data (data.max_records)")
+    return Subset(dataset, list(range(n - holdout))), Subset(dataset, list(range(n - holdout, n)))
 
 
 def batch_indices(micro: int, batch_size: int, n: int, seed: int) -> list[int]:
@@ -98,8 +123,13 @@ def newest_checkpoint(ckpt_root: Path) -> Path | None:
 def run_loop(model, step_fn: Callable[[int, float], tuple[Tensor, dict]], *, steps: int, lr: float, warmup: int,
              weight_decay: float, max_grad_norm: float, grad_accum: int, mixed_precision: str, ckpt_root: Path,
              checkpoint_every: int, log_every: int, metrics_path: Path, stage: str, temperature_cfg, resume: bool,
-             cpu: bool, wandb_run=None, stop_at_step: int | None = None, keep_checkpoints: int = 2) -> dict:
-    """Optimise `model` for `steps` optimizer steps; returns the last logged metrics."""
+             cpu: bool, wandb_run=None, stop_at_step: int | None = None, keep_checkpoints: int = 2,
+             validate: Callable[[], dict] | None = None, eval_every: int = 0) -> dict:
+    """Optimise `model` for `steps` optimizer steps; returns the last logged metrics.
+
+    With `validate` (() -> {"val_loss": ..., ...}), every `eval_every` steps and at the end the metrics are logged and
+    the weights with the lowest val_loss are kept in ckpt_root/best (early stopping); they are loaded back at the end.
+    """
     from accelerate import Accelerator
     from tqdm import tqdm
 
@@ -154,12 +184,67 @@ def run_loop(model, step_fn: Callable[[int, float], tuple[Tensor, dict]], *, ste
                     wandb_run.log(logged, step=step)
             bar.set_postfix(loss=logged["loss"])
             window = {"loss": 0.0, "tokens": 0, "n": 0, "acc": {}, "t0": time.perf_counter()}
+        if validate is not None and (step % eval_every == 0 or step == steps):
+            _validate(accelerator.unwrap_model(model), validate, step, stage, ckpt_root / "best", metrics_path, wandb_run)
         if step % checkpoint_every == 0 or step == steps:
             _save_checkpoint(accelerator, ckpt_root, step, keep_checkpoints)
         if stop_at_step is not None and step >= stop_at_step:  # tests: simulate a kill after this step
             break
     bar.close()
+    if validate is not None and step >= steps and (ckpt_root / "best" / "best.json").is_file():
+        best = json.loads((ckpt_root / "best" / "best.json").read_text())
+        accelerator.unwrap_model(model).load_state_dict(load_file(ckpt_root / "best" / "model.safetensors"))
+        print(f"[draftheads] {stage}: kept the step-{best['step']} weights (lowest val_loss {best['val_loss']:.4f})")
+        logged = {**logged, "best_step": best["step"], "best_val_loss": best["val_loss"]}
     return logged
+
+
+def _validate(model, validate, step: int, stage: str, best_dir: Path, metrics_path: Path, wandb_run) -> None:
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        metrics = validate()
+    model.train(was_training)
+    with metrics_path.open("a") as f:
+        f.write(json.dumps({"stage": stage, "step": step, **metrics}) + "\n")
+    if wandb_run is not None:
+        wandb_run.log(metrics, step=step)
+    best_file = best_dir / "best.json"
+    best = json.loads(best_file.read_text()) if best_file.is_file() else None
+    if best is None or metrics["val_loss"] < best["val_loss"]:
+        best_dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, best_dir / "model.safetensors")
+        best_file.write_text(json.dumps({"step": step, "val_loss": metrics["val_loss"]}))  # written last
+
+
+def validation_fn(step_fn_for: Callable, holdout, batch_size: int, k: int) -> Callable[[], dict]:
+    """() -> {"val_loss", "val_acc_1".., "val_tau_est"}: the stage's own step function over every held-out sequence
+    (fixed seeds, so the numbers are comparable across steps). val_tau_est = 1 + sum_k prod_{j<=k} acc_j, the τ
+    greedy decoding would get if teacher-forced agreement were the acceptance (regenerated data: it is)."""
+    step_fn = step_fn_for(holdout)
+    batches = math.ceil(len(holdout) / batch_size)
+
+    def validate() -> dict:
+        loss, accs = 0.0, {}
+        for micro in range(batches):
+            part, stats = step_fn(micro, 1.0)
+            loss += float(part) / batches
+            for key, v in stats.items():
+                if key.startswith("acc_") and v == v:
+                    accs.setdefault(key, []).append(v)
+        out = {"val_loss": round(loss, 6)}
+        tau, run = 1.0, 1.0
+        for d in range(1, k + 1):
+            vs = accs.get(f"acc_{d}")
+            if not vs:
+                break
+            out[f"val_acc_{d}"] = round(sum(vs) / len(vs), 4)
+            run *= out[f"val_acc_{d}"]
+            tau += run
+        out["val_tau_est"] = round(tau, 4)
+        return out
+
+    return validate
 
 
 def _save_checkpoint(accelerator, ckpt_root: Path, step: int, keep: int) -> None:
@@ -264,7 +349,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None)
     bad = [s for s in tc.stages if s not in STAGES]
     if bad or not tc.stages:
         raise DraftheadsError(f"train.stages {list(tc.stages)} must be a non-empty list of {list(STAGES)}")
-    dataset = open_features(features, target)
+    dataset, holdout = split_holdout(open_features(features, target), tc.holdout_sequences)
     resolved = OmegaConf.to_yaml(cfg, resolve=True) if OmegaConf.is_config(cfg) else None
     torch.manual_seed(tc.seed)
     wandb_run = _wandb(cfg, out) if tc.wandb else None
@@ -279,13 +364,18 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None)
             head = _trainable(load_draft(stage_dir, target))
         else:
             head = _initial_head(dc, target, dataset)
-            step_fn = soft_label_step_fn(head, target, dataset, tc, dc.k, target.device)
+            def step_fn_for(data):
+                return soft_label_step_fn(head, target, data, tc, dc.k, target.device)
+
+            step_fn = step_fn_for(dataset)
+            validate = None if holdout is None else validation_fn(step_fn_for, holdout, tc.batch_size, dc.k)
             metrics = run_loop(head, step_fn, steps=tc.steps, lr=tc.lr, warmup=tc.warmup_steps,
                                weight_decay=tc.weight_decay, max_grad_norm=tc.max_grad_norm, grad_accum=tc.grad_accum,
                                mixed_precision=tc.mixed_precision, ckpt_root=out / "checkpoints",
                                checkpoint_every=tc.checkpoint_every, log_every=tc.log_every,
                                metrics_path=metrics_path, stage="soft_label", temperature_cfg=tc.temperature,
-                               resume=tc.resume, cpu=cpu, wandb_run=wandb_run, stop_at_step=stop_at_step)
+                               resume=tc.resume, cpu=cpu, wandb_run=wandb_run, stop_at_step=stop_at_step,
+                               validate=validate, eval_every=tc.eval_every)
             if stop_at_step is not None and stop_at_step < tc.steps:
                 return out  # simulated kill: no final head
             save_draft(head, stage_dir, target, resolved, metrics)
