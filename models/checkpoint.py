@@ -18,13 +18,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from models.dspark import DSparkDrafter
 from models.errors import DraftheadsError
 from models.medusa import MedusaHeads
 from models.peagle import PEagleDrafter
 
 FORMAT = "draftheads-draft"
 FORMAT_VERSION = 1
-FAMILIES = {"peagle": PEagleDrafter, "eagle3": PEagleDrafter, "medusa": MedusaHeads}
+FAMILIES = {"peagle": PEagleDrafter, "eagle3": PEagleDrafter, "medusa": MedusaHeads, "dspark": DSparkDrafter,
+            "dflash": DSparkDrafter}
 CHECKED_KEYS = ("vocab_size", "hidden_size", "tokenizer_hash", "layer_ids")
 
 
@@ -71,21 +73,41 @@ def load_draft(directory, target, device=None):
     """The head in eval mode, attached to `target`'s frozen embedding / LM head. Refuses a foreign target."""
     config = read_draft_config(directory)
     target.check_fingerprint(config["target"], f"draft head '{directory}'", keys=CHECKED_KEYS)
-    head = FAMILIES[config["family"]](**config["sizes"])
     state = load_file(Path(directory) / "model.safetensors")
+    return head_from_state(config["family"], config["sizes"], state, target, f"draft checkpoint '{directory}'", device)
+
+
+def head_from_state(family: str, sizes: dict, state: dict, target, what: str, device=None):
+    """Build `family` from its recorded constructor sizes, load `state` strictly, attach to `target`, eval mode."""
+    head = FAMILIES[family](**sizes)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise DraftheadsError(f"draft checkpoint '{directory}' does not match its config.json "
-                              f"(missing {missing[:4]}, unexpected {unexpected[:4]}); the file is damaged, retrain or re-save it")
+        raise DraftheadsError(f"{what} does not match its config.json (missing {missing[:4]}, "
+                              f"unexpected {unexpected[:4]}); the file is damaged, retrain or re-save it")
     head = head.to(device=device or target.device, dtype=target.dtype).attach_target(target)
     return head.eval().requires_grad_(False)
 
 
 def build_draft(family: str, target, k: int, num_layers: int = 1, parallel: bool = True, draft_vocab=None,
-                share_lm_head: bool = True):
-    """A fresh head of `family` sized for `target` (flat parameters; the trainer maps cfg.draft onto these)."""
+                share_lm_head: bool = True, extra: dict | None = None):
+    """A fresh head of `family` sized for `target` (flat parameters; the trainer maps cfg.draft onto these).
+    `extra` (draft.extra) holds family knobs: dspark takes sequential (markov | rnn) and rank."""
+    from models.dspark import dspark_for_target
     from models.medusa import medusa_for_target
     from models.peagle import peagle_for_target
+
+    extra = dict(extra or {})
+    if family in ("dspark", "dflash"):
+        unknown = sorted(set(extra) - {"sequential", "rank"})
+        if unknown:
+            raise DraftheadsError(f"draft.extra has {unknown}, unknown to draft.family={family}; "
+                                  "it takes sequential (markov | rnn) and rank")
+        if family == "dflash":
+            extra["sequential"] = "none"
+        elif extra.get("sequential", "markov") == "none":
+            raise DraftheadsError("draft.family=dspark needs draft.extra.sequential markov or rnn; "
+                                  "for the backbone alone use draft.family=dflash")
+        return dspark_for_target(target, k, num_layers, draft_vocab, **extra)
 
     if family in ("peagle", "eagle3"):
         return peagle_for_target(target, k, num_layers, parallel=parallel and family == "peagle", draft_vocab=draft_vocab)

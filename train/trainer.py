@@ -28,11 +28,13 @@ from torch import Tensor
 from models.checkpoint import build_draft, load_draft, save_draft
 from models.draft_vocab import build_draft_vocab
 from models.errors import DraftheadsError
+from models.dspark import anchor_plan
 from train.cod import cod_plan
-from train.losses import distill_loss, position_weights, token_ce
+from train.losses import distill_loss, position_weights, token_ce, total_variation
 from train.temperature import temperature_at
 
 STAGES = ("soft_label", "rl")
+BLOCK_FAMILIES = ("dspark", "dflash")  # train on whole blocks at random anchors (models/dspark.py anchor_plan)
 LOSS_CHUNK_ROWS = 1024  # rows of [N, V] logits alive at once: 1024 x 49152 fp32 = 200 MB
 
 
@@ -291,8 +293,11 @@ def soft_label_step_fn(head, target, dataset, tc, k: int, device):
     def step_fn(micro: int, temperature: float):
         items = [dataset[i] for i in batch_indices(micro, tc.batch_size, len(dataset), tc.seed)]
         batch = collate(items, device)
-        plan = cod_plan(batch["loss_mask"].cpu(), batch["lengths"].cpu(), k, tc.cod_decay,
-                        torch.Generator().manual_seed(tc.seed * 1_000_003 + micro))
+        g = torch.Generator().manual_seed(tc.seed * 1_000_003 + micro)
+        if _unwrap(head).family_name in BLOCK_FAMILIES:
+            plan = anchor_plan(batch["loss_mask"].cpu(), batch["lengths"].cpu(), k, tc.anchors_per_sequence, g)
+        else:
+            plan = cod_plan(batch["loss_mask"].cpu(), batch["lengths"].cpu(), k, tc.cod_decay, g)
         plan = type(plan)(**{f: (v.to(device) if isinstance(v, Tensor) else v) for f, v in vars(plan).items()})
         core = _unwrap(head)
         out = head(batch, plan)  # through the (possibly distributed) wrapper
@@ -320,9 +325,13 @@ def _chunk_loss(core, hidden, depth, tgt, labels, w, tc, temperature):
     """Weighted loss sum of one chunk; logits are recomputed in backward (checkpoint) so only one chunk is alive."""
     def f(h):
         logits = core.logits_for(h, depth)
-        per = distill_loss(tc.loss, tgt, logits, temperature, tc.lk_tv_weight)
+        per = tc.distill_weight * distill_loss(tc.loss, tgt, logits, temperature, tc.lk_tv_weight)
         if tc.ce_weight > 0:
             per = per + tc.ce_weight * token_ce(logits, labels)
+        if tc.confidence_weight > 0 and hasattr(core, "confidence_logit"):  # DSpark: c_k learns 1 - TV_k
+            survive = 1.0 - total_variation(tgt, logits, temperature).detach()
+            c_logit = core.confidence_logit(h, depth).float()
+            per = per + tc.confidence_weight * F.binary_cross_entropy_with_logits(c_logit, survive, reduction="none")
         return (per * w).sum(), (logits.argmax(-1) == tgt.argmax(-1)).float()
 
     if hidden.requires_grad:
@@ -406,7 +415,7 @@ def _initial_head(dc, target, dataset):
     vocab = None
     if dc.draft_vocab_size is not None and dc.draft_vocab_size < target.vocab_size:
         vocab = build_draft_vocab((dataset[i] for i in range(len(dataset))), dc.draft_vocab_size, target.vocab_size)
-    return build_draft(dc.family, target, dc.k, dc.num_layers, dc.parallel, vocab, dc.share_lm_head)
+    return build_draft(dc.family, target, dc.k, dc.num_layers, dc.parallel, vocab, dc.share_lm_head, dict(dc.extra))
 
 
 def _trainable(head):

@@ -48,7 +48,7 @@ def prompt_lookup_source(arg: str | None, target) -> DraftSource:
 SOURCES: dict[str, Factory | str] = {
     "prompt_lookup": prompt_lookup_source,
     "draft_file": "inference.sources.draft_file:draft_file_source",
-    "head": "inference.sources.draft_head:head_source",
+    "head": "inference.sources.dspark:head_source",  # dspark / dflash checkpoints get confidences; others draft_head
 }
 
 

@@ -1,0 +1,129 @@
+"""A draft head embedded in its target's checkpoint: one directory, one load, target + drafter.
+
+`embed_draft(target_or_dir, head, out_dir)` writes a copy of the target checkpoint (config.json, tokenizer,
+safetensors) plus
+  tensors  draft.*                 the head's own state (NOT the embedding / LM head: shared with the target;
+                                   a draft-vocab lm_head and d2t / t2d are the head's own and are stored)
+  config   "draft_head": {family, config (constructor sizes), fingerprint (the target's), format_version}
+The draft.* tensors live in their own draft.safetensors next to the target's (single or sharded) weights, which
+are copied untouched: `transformers` loads the directory as the plain target without "unexpected key" noise, and a
+70B checkpoint is not rewritten to add a few hundred MB.
+
+`load_embedded(dir, enable_draft_head=True) -> (Target, head)`.
+
+    python -m models.embedded --head DIR --out DIR [--target-path PATH]      (one JSON line last)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from models.checkpoint import CHECKED_KEYS, FAMILIES, head_from_state
+from models.errors import DraftheadsError
+
+PREFIX = "draft."
+CONFIG_KEY = "draft_head"
+EMBED_VERSION = 1
+DRAFT_FILE = "draft.safetensors"
+
+
+def embed_draft(target_or_dir, head, out_dir, layer_ids=None, name: str | None = None) -> Path:
+    """Copy the target checkpoint to out_dir with the head's tensors and config added. A directory is loaded
+    (as target `name`, with `layer_ids` = the target layers the head reads) only to fingerprint it; its files
+    are copied as they are."""
+    from models.target import Target, load_target
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(target_or_dir, Target):
+        target = target_or_dir
+        target.model.save_pretrained(out)
+        target.tokenizer.save_pretrained(out)
+    else:
+        src = Path(target_or_dir)
+        if not (src / "config.json").is_file():
+            raise DraftheadsError(f"target directory '{src}' has no config.json; pass a saved model directory")
+        if layer_ids is None:
+            raise DraftheadsError(f"embedding into '{src}' needs the target layer ids the head reads (layer_ids=...)")
+        target = load_target(name or src.name, str(src), list(layer_ids))
+        for f in src.iterdir():
+            if f.is_file():
+                shutil.copy2(f, out / f.name)
+    state = {PREFIX + k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    save_file(state, out / DRAFT_FILE, metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config[CONFIG_KEY] = {"family": head.family_name, "config": head.config, "fingerprint": target.fingerprint,
+                          "format_version": EMBED_VERSION}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def draft_tensors(directory: Path) -> dict:
+    """The draft.* tensors of the checkpoint, without the prefix ({} when there are none)."""
+    if not (directory / DRAFT_FILE).is_file():
+        return {}
+    return {k[len(PREFIX):]: v for k, v in load_file(directory / DRAFT_FILE).items() if k.startswith(PREFIX)}
+
+
+def load_embedded(directory, enable_draft_head: bool = True, dtype: str = "float32", device: str = "cpu"):
+    """(Target, head) from one directory; head is None when enable_draft_head=False."""
+    from models.target import load_target
+
+    d = Path(directory)
+    if not (d / "config.json").is_file():
+        raise DraftheadsError(f"'{d}' is not a model checkpoint (no config.json); pass a directory written by "
+                              "models.embedded.embed_draft")
+    recorded = json.loads((d / "config.json").read_text()).get(CONFIG_KEY)
+    if not enable_draft_head:
+        fp = (recorded or {}).get("fingerprint", {})
+        return load_target(fp.get("name", str(d)), str(d), fp.get("layer_ids"), dtype, device), None
+    fix = (f"embed a head with `python -m models.embedded --head HEAD_DIR --out {d}`, or load the plain target "
+           "with enable_draft_head=False")
+    if recorded is None:
+        raise DraftheadsError(f"'{d}' has no embedded draft head (config.json has no '{CONFIG_KEY}'); {fix}")
+    if recorded.get("family") not in FAMILIES or recorded.get("format_version", 0) > EMBED_VERSION:
+        raise DraftheadsError(f"'{d}' embeds draft family {recorded.get('family')!r} (version "
+                              f"{recorded.get('format_version')!r}), unknown to this draftheads; re-embed it")
+    fp = recorded["fingerprint"]
+    target = load_target(fp["name"], str(d), fp["layer_ids"], dtype, device)
+    target.check_fingerprint(fp, f"the draft head embedded in '{d}'", keys=CHECKED_KEYS)
+    state = draft_tensors(d)
+    if not state:
+        raise DraftheadsError(f"'{d}/config.json' records a draft head but '{d}/{DRAFT_FILE}' is missing or has "
+                              f"no {PREFIX}* tensors; {fix}")
+    head = head_from_state(recorded["family"], recorded["config"], state, target, f"the draft head embedded in '{d}'")
+    return target, head
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m models.embedded", description="embed a draft head into its target")
+    ap.add_argument("--head", required=True, help="draft checkpoint directory (out_dir/head)")
+    ap.add_argument("--out", required=True, help="output model directory (target + draft.* tensors)")
+    ap.add_argument("--target-path", default=None, help="target weights (default: the name recorded in the head)")
+    args = ap.parse_args(argv)
+    from models.checkpoint import load_draft, read_draft_config
+    from models.target import load_target, resolve_target_dir
+
+    fp = read_draft_config(args.head)["target"]
+    target = load_target(fp["name"], args.target_path, fp["layer_ids"])
+    head = load_draft(args.head, target)
+    source = resolve_target_dir(fp["name"], args.target_path) if fp["name"] != "tiny-random-llama" else target
+    out = embed_draft(source, head, args.out, fp["layer_ids"], fp["name"])
+    report = {"out": str(out), "family": head.family_name, "draft_tensors": len(head.state_dict()),
+              "draft_params": sum(p.numel() for p in head.parameters())}
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DraftheadsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
