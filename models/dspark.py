@@ -9,7 +9,7 @@ and its queries see context rows <= a and the whole block (bidirectional inside 
 The block always has gamma slots (slot 1 attends to slot gamma), so inference with k < gamma runs all gamma.
 
 Sequential stage ("dspark"): logits_k = backbone_k + e_k @ W2, sampled LEFT TO RIGHT so each token has an exact q:
-    markov  e_k = W1[x_{k-1}]                         (x_0 = the anchor token x_{a+1}; W1 [V_draft+1, r], W2 [r, V_draft])
+    markov  e_k = W1[x_{k-1}]       (x_0 = the anchor token x_{a+1}; W1 [V_draft+1, r], W2 [r, V_draft])
     rnn     e_k = GRUCell(W1[x_{k-1}], e_{k-1}), e_0 = 0
 Confidence head: c_k = sigmoid(w^T [h_k; e_k] / tau_k) = P(draft k survives | drafts < k accepted); tau_k are
 per-position temperatures fitted by train/calibration.py (buffer, default 1). Its input is detached: the probe
