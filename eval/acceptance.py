@@ -172,7 +172,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from inference.sources import build_source
+    from inference.sources import build_source, source_layer_ids
     from models.target import load_target
 
     if args.k < 1 or args.max_new < 1:
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> dict:
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = load_prompts(args.prompts, categories, args.limit)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
-    target = load_target(args.target, path=args.target_path, dtype=args.dtype)
+    target = load_target(args.target, path=args.target_path, layer_ids=source_layer_ids(args.source), dtype=args.dtype)
     source = build_source(args.source, target)
     tallies = measure(target, source, prompts, args.k, sampling, args.max_new, args.seed, not args.no_progress,
                       args.save_tokens)

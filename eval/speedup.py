@@ -29,7 +29,7 @@ from eval.acceptance import load_prompts
 from inference.runtime import Runtime, RuntimeStats
 from inference.sampling import SamplingConfig
 from inference.schedulers import ConfidencePrefix, DynamicK
-from inference.sources import build_source
+from inference.sources import build_source, source_layer_ids
 from models.errors import DraftheadsError
 from models.target import DEFAULT_TARGET, load_target
 
@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
     if args.check_lossless and args.temperature > 0:
         raise DraftheadsError("--check-lossless compares with plain greedy decoding; use it with --temperature 0")
     target = random_smollm2_shape(args.dtype, args.device) if args.target == RANDOM_TARGET else \
-        load_target(args.target, path=args.target_path, dtype=args.dtype, device=args.device)
+        load_target(args.target, path=args.target_path, layer_ids=source_layer_ids(args.source), dtype=args.dtype,
+                    device=args.device)
     # one source per batch slot: sources may keep per-request state (a head's draft KV cache)
     sources = [build_source(args.source, target) for _ in range(args.batch)]
     sampling = SamplingConfig(temperature=args.temperature)

@@ -4,7 +4,15 @@ import pytest
 import torch
 
 # Two cores on CI: one thread per test process keeps runs predictable.
-torch.set_num_threads(int(os.environ.get("DRAFTHEADS_TEST_THREADS", "1")))
+TEST_THREADS = int(os.environ.get("DRAFTHEADS_TEST_THREADS", "1"))
+torch.set_num_threads(TEST_THREADS)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """CLI entry points under test set their own thread count; put it back so later tests stay predictable."""
+    yield
+    torch.set_num_threads(TEST_THREADS)
 
 
 @pytest.fixture(scope="session")

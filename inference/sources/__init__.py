@@ -56,6 +56,17 @@ def register_source(name: str, factory: Factory | str) -> None:
     SOURCES[name] = factory
 
 
+def source_layer_ids(spec: str) -> list[int] | None:
+    """The target layers a source reads features from: a head's recorded layer ids ('head:DIR'), else None (the
+    default). Load the target with these, or a head trained on other layers is refused."""
+    name, _, arg = spec.partition(":")
+    if name != "head" or not arg:
+        return None
+    from models.checkpoint import read_draft_config
+
+    return list(read_draft_config(arg)["target"]["layer_ids"])
+
+
 def build_source(spec: str, target) -> DraftSource:
     """A DraftSource from 'NAME' or 'NAME:ARG' (see module docstring)."""
     name, sep, arg = spec.partition(":")
@@ -75,4 +86,4 @@ def build_source(spec: str, target) -> DraftSource:
     return factory(arg if sep else None, target)
 
 
-__all__ = ["Draft", "DraftContext", "DraftSource", "SOURCES", "build_source", "register_source", "parse_kwargs"]
+__all__ = ["Draft", "DraftContext", "DraftSource", "SOURCES", "build_source", "register_source", "source_layer_ids", "parse_kwargs"]
