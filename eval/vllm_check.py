@@ -119,20 +119,6 @@ def run_ours(target, head_spec: str, prompts: list[dict], k: int, max_new: int):
     return inputs, outputs, overall
 
 
-def make_servable(spec_dir: Path) -> str | None:
-    """vLLM 0.32 reads a parallel head only as speculators_model_type "peagle" (mask_token_id -> pard_token);
-    as "eagle3" it drops the top-level mask_token_id and parallel_drafting. Returns what was rewritten, if anything.
-    """
-    path = spec_dir / "config.json"
-    config = json.loads(path.read_text())
-    if not (config.get("parallel_drafting") and config.get("speculators_model_type") == "eagle3"):
-        return None
-    config["speculators_model_type"] = "peagle"
-    config["speculators_config"]["algorithm"] = "peagle"
-    path.write_text(json.dumps(config, indent=2))
-    return 'speculators_model_type "eagle3" -> "peagle" (parallel head)'
-
-
 def check_vllm_python(vllm_python: str) -> None:
     from models.errors import DraftheadsError
 
@@ -205,9 +191,6 @@ def run(args: argparse.Namespace) -> dict:
     k = args.k or load_draft(args.head, target).k
     spec_dir = export_speculators(args.head, target, work / "speculators", verifier_path=str(target_dir),
                                   mask_token_id=args.mask_token_id)
-    patched = make_servable(spec_dir)
-    if patched:
-        print(f"[vllm_check] exported config rewritten for vLLM: {patched}", file=sys.stderr)
 
     prompts = load_prompts(args.prompts, ["mt_bench"], args.limit)
     inputs, ours, tally = run_ours(target, f"head:{args.head}", prompts, k, args.max_new)
@@ -240,7 +223,6 @@ def run(args: argparse.Namespace) -> dict:
         "equal_to_our_greedy": sum(a == b for a, b in zip(vllm["plain"], ours)),
         "first_divergence_from_ours": [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
                                        for a, b in zip(vllm["plain"], ours)],
-        "export_config_patched": patched,
         "speculative_config": vllm["speculative_config"],
         "vllm_version": vllm["vllm_version"],
         "vllm_seconds": {"plain": vllm["seconds_plain"], "spec": vllm["seconds_spec"]},
@@ -265,8 +247,7 @@ def main(argv=None) -> int:
     keys = ("vllm_plain_equals_spec", "n_prompts", "vllm_tau", "our_tau", "vllm_acceptance_per_pos",
             "our_acceptance_per_pos", "equal_to_our_greedy", "seconds")
     rounded = {key: _round(results[key]) for key in keys}
-    print(json.dumps({**rounded, "n_turns": results["n_turns"], "k": results["k"],
-                      "export_config_patched": results["export_config_patched"]}))
+    print(json.dumps({**rounded, "n_turns": results["n_turns"], "k": results["k"]}))
     return 0 if results["vllm_plain_equals_spec"] else 1
 
 

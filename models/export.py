@@ -30,8 +30,8 @@ SPECULATORS_VERSION = "0.3.0"
 def export_speculators(head_dir, target, out_dir, verifier_path: str | None = None, mask_token_id: int | None = None) -> Path:
     """Write the speculators directory for the draft checkpoint `head_dir` (trained for `target`).
 
-    mask_token_id (P-EAGLE): the id whose embedding row carries the learned mask embedding; default V-1. Pick an
-    id that never occurs in real text (a reserved special token) where the tokenizer has one.
+    mask_token_id (P-EAGLE): the id whose embedding row carries the learned mask embedding (vLLM embeds it for slots
+    2..K); default: a special token the chat template never uses (`unused_special_token`), else V-1.
     """
     head = load_draft(head_dir, target)
     if not isinstance(head, PEagleDrafter):
@@ -70,16 +70,29 @@ def export_speculators(head_dir, target, out_dir, verifier_path: str | None = No
                        "hidden_state_convention": target.fingerprint["hidden_state_convention"]},
     }
     if head.parallel:
-        mask_id = c["vocab_size"] - 1 if mask_token_id is None else int(mask_token_id)
+        mask_id = unused_special_token(target.tokenizer, c["vocab_size"]) if mask_token_id is None else int(mask_token_id)
         if not 0 <= mask_id < c["vocab_size"]:
             raise DraftheadsError(f"mask_token_id={mask_id} is outside the target vocabulary 0..{c['vocab_size'] - 1}")
         embed = target.model.get_input_embeddings().weight.detach().float().cpu().clone()
         embed[mask_id] = head.mask_embedding.detach().float().cpu()
         tensors["embed_tokens.weight"] = embed
-        config.update(parallel_drafting=True, mask_token_id=mask_id)
+        # vLLM reads mask_token_id only from a "peagle" config; under "eagle3" it drops it and serves a chain head
+        config.update(speculators_model_type="peagle", parallel_drafting=True, mask_token_id=mask_id)
+        config["speculators_config"]["algorithm"] = "peagle"
     save_file(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def unused_special_token(tokenizer, vocab_size: int) -> int:
+    """The highest special token id that is not bos/eos/pad/unk and not in the chat template (SmolLM2: 16,
+    <empty_output>): real text never embeds it, so it can carry the mask embedding. V-1 when there is none."""
+    taken = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = getattr(tokenizer, "chat_template", None) or ""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    free = [i for i, tok in added.items()
+            if getattr(tok, "special", False) and i not in taken and i < vocab_size and str(tok) not in template]
+    return max(free) if free else vocab_size - 1
 
 
 def _llama_config(target, c: dict) -> dict:
@@ -101,7 +114,7 @@ def import_speculators(directory, target) -> PEagleDrafter:
     if not (d / "config.json").is_file():
         raise DraftheadsError(f"'{d}' has no config.json; pass a directory written by export_speculators")
     config = json.loads((d / "config.json").read_text())
-    if config.get("speculators_model_type") != "eagle3":
+    if config.get("speculators_model_type") not in ("eagle3", "peagle"):
         raise DraftheadsError(f"'{d}' is not a speculators EAGLE-3 draft (speculators_model_type="
                               f"{config.get('speculators_model_type')!r})")
     if list(config["eagle_aux_hidden_state_layer_ids"]) != list(target.layer_ids):
@@ -109,7 +122,7 @@ def import_speculators(directory, target) -> PEagleDrafter:
                               f"captures {list(target.layer_ids)}; load the target with target.layer_ids set to match")
     lc = config["transformer_layer_config"]
     tensors = load_file(d / "model.safetensors")
-    parallel = bool(config.get("parallel_drafting", False))
+    parallel = config["speculators_model_type"] == "peagle" or bool(config.get("parallel_drafting", False))
     draft_vocab = config["draft_vocab_size"]
     head = PEagleDrafter(
         hidden_size=lc["hidden_size"], num_aux_layers=tensors["fc.weight"].shape[1] // lc["hidden_size"],

@@ -30,7 +30,7 @@ def test_round_trip_is_lossless(tiny_target, tmp_path, parallel, vocab):
     config = json.loads((out / "config.json").read_text())
     tensors = load_file(out / "model.safetensors")
     H = tiny_target.hidden_size
-    assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_model_type"] == ("peagle" if parallel else "eagle3")
     assert config["eagle_aux_hidden_state_layer_ids"] == list(tiny_target.layer_ids)
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
     assert config["transformer_layer_config"]["num_hidden_layers"] == 2
@@ -64,3 +64,20 @@ def test_export_refuses_medusa(tiny_target, tmp_path):
     save_draft(medusa_for_target(tiny_target, k=2), tmp_path / "m", tiny_target)
     with pytest.raises(DraftheadsError, match="medusa head"):
         export_speculators(tmp_path / "m", tiny_target, tmp_path / "out")
+
+
+def test_default_mask_token_is_an_unused_special_token(tiny_target):
+    from types import SimpleNamespace
+
+    from models.export import unused_special_token
+
+    def special(text):
+        return type("AddedToken", (), {"special": True, "__str__": lambda self: text})()
+
+    tok = SimpleNamespace(bos_token_id=1, eos_token_id=2, pad_token_id=2, unk_token_id=None,
+                          chat_template="<|im_start|>{{ m }}<|im_end|>",
+                          added_tokens_decoder={0: special("<|endoftext|>"), 1: special("<|im_start|>"),
+                                                2: special("<|im_end|>"), 7: special("<empty_output>"),
+                                                9: special("<|im_start|>")})
+    assert unused_special_token(tok, vocab_size=100) == 7  # 9 is in the chat template, 1/2 are bos/eos
+    assert unused_special_token(tiny_target.tokenizer, 259) in range(259)

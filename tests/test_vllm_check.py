@@ -1,10 +1,8 @@
-"""eval/vllm_check.py pieces that need no vLLM: acceptance conversion, config rewrite, the missing-venv error."""
-
-import json
+"""eval/vllm_check.py pieces that need no vLLM: acceptance conversion and the missing-venv error."""
 
 import pytest
 
-from eval.vllm_check import conditional_acceptance, main, make_servable
+from eval.vllm_check import conditional_acceptance, main
 
 
 def test_conditional_acceptance_divides_by_previous_position():
@@ -14,19 +12,6 @@ def test_conditional_acceptance_divides_by_previous_position():
     assert got[4] is None  # no round got past position 4: undefined, as eval.acceptance reports it
     assert conditional_acceptance([0, 0], drafts=10) == [0.0, None]
     assert conditional_acceptance([0], drafts=0) == [None]
-
-
-@pytest.mark.parametrize("parallel,want", [(True, "peagle"), (False, "eagle3")])
-def test_make_servable_marks_parallel_heads_peagle(tmp_path, parallel, want):
-    config = {"speculators_model_type": "eagle3", "speculators_config": {"algorithm": "eagle3"}}
-    if parallel:
-        config.update(parallel_drafting=True, mask_token_id=7)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    changed = make_servable(tmp_path)
-    after = json.loads((tmp_path / "config.json").read_text())
-    assert after["speculators_model_type"] == want and after["speculators_config"]["algorithm"] == want
-    assert (changed is not None) == parallel
-    assert make_servable(tmp_path) is None  # idempotent
 
 
 def test_missing_vllm_python_says_how_to_install(tmp_path, capsys):
