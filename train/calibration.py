@@ -106,20 +106,24 @@ def main(argv=None) -> dict:
     ap.add_argument("--target-path", default=None, help="target weights (default: the name recorded in the head)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy acceptance; > 0 = lossless rule at T")
     ap.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
+    ap.add_argument("--holdout", type=int, default=0,
+                    help="use only the last N sequences of --features: the split train.holdout_sequences=N never trained on")
     ap.add_argument("--limit", type=int, default=None, help="sequences to use (default: all)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from models.checkpoint import load_draft, read_draft_config, save_draft
     from models.target import load_target
-    from train.trainer import open_features
+    from train.trainer import open_features, split_holdout
 
     config = read_draft_config(args.head)
     fp = config["target"]
     target = load_target(fp["name"], args.target_path, fp["layer_ids"])
     head = load_draft(args.head, target)
-    report = calibrate(head, target, open_features(args.features, target), args.temperature, args.anchors,
-                       limit=args.limit)
+    features = open_features(args.features, target)
+    if args.holdout:
+        features = split_holdout(features, args.holdout)[1]
+    report = calibrate(head, target, features, args.temperature, args.anchors, limit=args.limit)
     src = Path(args.head)
     metrics = json.loads((src / "metrics.json").read_text()) if (src / "metrics.json").is_file() else {}
     resolved = (src / "resolved_config.yaml").read_text() if (src / "resolved_config.yaml").is_file() else None
