@@ -112,7 +112,5 @@ def build_draft(family: str, target, k: int, num_layers: int = 1, parallel: bool
     if family in ("peagle", "eagle3"):
         return peagle_for_target(target, k, num_layers, parallel=parallel and family == "peagle", draft_vocab=draft_vocab)
     if family == "medusa":
-        if draft_vocab is not None:
-            raise DraftheadsError("draft.family=medusa does not support draft.draft_vocab_size; leave it null")
-        return medusa_for_target(target, k, num_layers, share_lm_head)
+        return medusa_for_target(target, k, num_layers, share_lm_head, draft_vocab)
     raise DraftheadsError(f"draft.family '{family}' is not trainable here; pick one of {sorted(FAMILIES)}")

@@ -3,7 +3,8 @@
 Head k (1-based) at anchor t reads final_hidden[t] (the target already predicts x_{t+1} from it) and predicts
 x_{t+k+1}: the same (anchor, depth) -> label mapping as P-EAGLE, so the trainer and COD plan are shared.
 Each head = ResBlock (x + SiLU(W x), W zero-initialised so a fresh head equals the target's next-token head)
-+ a linear vocabulary projection (the target's frozen LM head when shared, else its own copy).
++ a linear vocabulary projection (the target's frozen LM head when shared, else its own copy). With a draft
+vocabulary the shared projection is the frozen LM head's rows of those tokens (d2t / t2d maps as P-EAGLE).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.peagle import DraftTrainOutput
+from models.errors import DraftheadsError
+from models.peagle import DraftTrainOutput, PEagleDrafter
 
 
 class ResBlock(nn.Module):
@@ -29,10 +31,16 @@ class MedusaHeads(nn.Module):
     family = "medusa"
     feature = "final_hidden"
 
-    def __init__(self, hidden_size: int, vocab_size: int, k: int, num_layers: int = 1, share_lm_head: bool = True):
+    def __init__(self, hidden_size: int, vocab_size: int, k: int, num_layers: int = 1, share_lm_head: bool = True,
+                 draft_vocab_size: int | None = None):
         super().__init__()
         self.config = dict(hidden_size=hidden_size, vocab_size=vocab_size, k=k, num_layers=num_layers,
-                           share_lm_head=share_lm_head)
+                           share_lm_head=share_lm_head, draft_vocab_size=draft_vocab_size)
+        if draft_vocab_size is not None and draft_vocab_size < vocab_size:
+            if not share_lm_head:
+                raise DraftheadsError("draft.family=medusa with draft.draft_vocab_size needs draft.share_lm_head=true")
+            self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
         self.k, self.vocab_size, self.share_lm_head = k, vocab_size, share_lm_head
         self.blocks = nn.ModuleList(nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)]) for _ in range(k))
         if not share_lm_head:
@@ -46,6 +54,9 @@ class MedusaHeads(nn.Module):
     def attach_target(self, target, draft_vocab=None, fresh: bool = False) -> "MedusaHeads":
         head = target.model.get_output_embeddings()
         self._shared["lm_head"] = head
+        if fresh and draft_vocab is not None and hasattr(self, "d2t"):
+            self.d2t.copy_(draft_vocab.d2t)
+            self.t2d.copy_(draft_vocab.t2d)
         if fresh and not self.share_lm_head:
             with torch.no_grad():
                 for lm in self.lm_heads:
@@ -61,9 +72,13 @@ class MedusaHeads(nn.Module):
         return out
 
     def logits_for(self, hidden: Tensor, depth: Tensor) -> Tensor:
-        """hidden [N, H] (after the head's ResBlocks), depth [N] (1..K) -> logits [N, V]."""
+        """hidden [N, H] (after the head's ResBlocks), depth [N] (1..K) -> logits [N, V_draft]."""
         if self.share_lm_head:
-            return self._shared["lm_head"](hidden)
+            lm = self._shared["lm_head"]
+            if not hasattr(self, "d2t"):
+                return lm(hidden)
+            ids = self.draft_ids
+            return F.linear(hidden, lm.weight[ids], None if lm.bias is None else lm.bias[ids])
         return self._per_depth(hidden, depth, lambda d, x: self.lm_heads[d - 1](x), self.vocab_size)
 
     def head_logits(self, h: Tensor, depth: Tensor) -> Tensor:
@@ -71,10 +86,8 @@ class MedusaHeads(nn.Module):
         blocks = self._per_depth(h, depth, lambda d, x: self.blocks[d - 1](x), h.shape[-1])
         return self.logits_for(blocks, depth)
 
-    def full_vocab_logits(self, logits: Tensor) -> Tensor:
-        return logits
-
-    draft_ids = None
+    full_vocab_logits = PEagleDrafter.full_vocab_logits  # draft-vocab logits -> [.., V] (-inf outside)
+    draft_ids = PEagleDrafter.draft_ids
 
     def train_forward(self, batch: dict, plan) -> DraftTrainOutput:
         keep = plan.valid & plan.trained
@@ -94,6 +107,7 @@ class MedusaHeads(nn.Module):
         return self.head_logits(h, torch.arange(1, k + 1, device=h.device))
 
 
-def medusa_for_target(target, k: int, num_layers: int = 1, share_lm_head: bool = True) -> MedusaHeads:
-    heads = MedusaHeads(target.hidden_size, target.vocab_size, k, num_layers, share_lm_head)
-    return heads.to(target.dtype).attach_target(target, fresh=True)
+def medusa_for_target(target, k: int, num_layers: int = 1, share_lm_head: bool = True, draft_vocab=None) -> MedusaHeads:
+    heads = MedusaHeads(target.hidden_size, target.vocab_size, k, num_layers, share_lm_head,
+                        None if draft_vocab is None else draft_vocab.size)
+    return heads.to(target.dtype).attach_target(target, draft_vocab, fresh=True)

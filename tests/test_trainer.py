@@ -137,17 +137,20 @@ def test_checkpoint_refuses_a_foreign_target(tiny_target, tmp_path):
         load_draft(tmp_path, tiny_target)
 
 
-def test_draft_vocab_head_trains_and_maps(tiny_target, tmp_path):
+@pytest.mark.parametrize("family", ["peagle", "medusa"])
+def test_draft_vocab_head_trains_and_maps(tiny_target, tmp_path, family):
     from train.trainer import train_draft
 
     feats = tiny_features(tiny_target)
     cfg = make_cfg(tmp_path, steps=4)
-    cfg.draft.draft_vocab_size = 64
+    cfg.draft.family, cfg.draft.draft_vocab_size = family, 64
     head = load_draft(train_draft(cfg, tiny_target, feats, tmp_path), tiny_target)
     ids = head.draft_ids
     assert ids.numel() == 64 and torch.equal(ids, torch.arange(64) + head.d2t) and int(head.t2d.sum()) == 64
     seen = torch.cat([f["input_ids"][f["loss_mask"]] for f in feats]).unique()
     assert set(seen.tolist()) <= set(ids.tolist())  # fewer than 64 distinct trained tokens: all of them are in
+    logits = head.full_vocab_logits(torch.zeros(2, 64))
+    assert logits.shape == (2, tiny_target.vocab_size) and torch.isinf(logits).sum() == 2 * (tiny_target.vocab_size - 64)
 
 
 def test_trained_head_raises_tau(peaked_target, tmp_path):
