@@ -101,6 +101,24 @@ def load_embedded(directory, enable_draft_head: bool = True, dtype: str = "float
     return target, head
 
 
+def same_drafts(head, target, loaded_target, loaded_head, n_contexts: int = 8) -> bool:
+    """Greedy draft tokens and confidences of `head` on `target` == those of the loaded pair, on the contexts
+    x[:t] of one chat prompt for n_contexts cut points (features from each target's own forward)."""
+    import torch
+
+    from data.chat import prompt_ids
+    from models.peagle import DraftCache
+
+    ids = prompt_ids(target.tokenizer, [{"role": "user", "content": "Explain speculative decoding in two sentences."}])
+    drafts = []
+    for t, h in ((target, head), (loaded_target, loaded_head)):
+        with torch.no_grad():
+            aux = t(ids[None].to(t.device), compute_logits=False).aux_hidden[0]
+        cuts = torch.linspace(4, len(ids), n_contexts).long().tolist()
+        drafts.append([h.draft(ids[:c].to(t.device), aux[: c - 1], DraftCache(), h.k) for c in cuts])
+    return all(torch.equal(a[0].argmax(-1), b[0].argmax(-1)) and torch.equal(a[1], b[1]) for a, b in zip(*drafts))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m models.embedded", description="embed a draft head into its target")
     ap.add_argument("--head", required=True, help="draft checkpoint directory (out_dir/head)")
@@ -116,7 +134,8 @@ def main(argv=None) -> dict:
     source = resolve_target_dir(fp["name"], args.target_path) if fp["name"] != "tiny-random-llama" else target
     out = embed_draft(source, head, args.out, fp["layer_ids"], fp["name"])
     report = {"out": str(out), "family": head.family_name, "draft_tensors": len(head.state_dict()),
-              "draft_params": sum(p.numel() for p in head.parameters())}
+              "draft_params": sum(p.numel() for p in head.parameters()),
+              "round_trip_identical_drafts": same_drafts(head, target, *load_embedded(out)) if hasattr(head, "draft") else None}
     print(json.dumps(report))
     return report
 
