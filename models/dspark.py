@@ -28,7 +28,6 @@ from torch import Tensor, nn
 from models.draft_vocab import DraftVocab
 from models.errors import DraftheadsError
 from models.peagle import DecoderLayer, DraftCache, DraftTrainOutput, PEagleDrafter, RMSNorm, apply_rotary, rotary
-from train.cod import CodPlan
 
 SEQUENTIAL = ("markov", "rnn", "none")
 
@@ -144,11 +143,11 @@ class DSparkDrafter(nn.Module):
         return self.norm(x).view(B, A, self.k, -1)
 
     # -- training --------------------------------------------------------------------------------
-    def train_forward(self, batch: dict, plan: CodPlan) -> DraftTrainOutput:
+    def train_forward(self, batch: dict, plan) -> DraftTrainOutput:
         """Blocks for every distinct anchor of the plan's labelled rows; rows teacher-force x_{k-1} = x_{a+k}.
 
-        Works with `anchor_plan` (stage 1) and train/rl.py's block_plan (stage 2): only (anchor, depth) of the
-        rows with valid & trained matter. Output rows keep the plan's row-major order.
+        `plan` is a train.cod.CodPlan: `anchor_plan` (stage 1) or train/rl.py's block_plan (stage 2); only the
+        (anchor, depth) of rows with valid & trained matter. Output rows keep the plan's row-major order.
         """
         ids, aux = batch["input_ids"], batch["aux_hidden"]  # [B, T], [B, T, nH]
         B, T = ids.shape
@@ -213,36 +212,6 @@ class DSparkDrafter(nn.Module):
     def draft_logits(self, tokens: Tensor, aux: Tensor, cache: DraftCache, k: int, sample_fn=None) -> Tensor:
         """The drafting interface P-EAGLE heads share (inference/sources/draft_head.py, train/rl.py)."""
         return self.draft(tokens, aux, cache, k, sample_fn)[0]
-
-
-def anchor_plan(loss_mask: Tensor, lengths: Tensor, k: int, anchors: int, generator: torch.Generator | None = None,
-                full_blocks: bool = False) -> CodPlan:
-    """Up to `anchors` random anchors per sequence, whole blocks: columns (a, 1..k) per anchor, in that order.
-
-    An anchor a qualifies when its first draft token x_{a+2} is a loss token (full_blocks: all of x_{a+2..a+k+1});
-    slot d is trained when x_{a+d+1} exists and is a loss token. loss_mask [B, T] bool, lengths [B].
-    """
-    B, T = loss_mask.shape
-    idx = torch.arange(T)
-    rows_a = []
-    for b in range(B):
-        L = int(lengths[b])
-        need = idx[:, None] + 2 + (torch.arange(k) if full_blocks else torch.zeros(1, dtype=torch.long))
-        ok = (need < L).all(1) & loss_mask[b][need.clamp(max=T - 1)].all(1)
-        cand = ok.nonzero().squeeze(1)
-        pick = cand[torch.randperm(cand.numel(), generator=generator)[:anchors]].sort().values
-        rows_a.append(pick)
-    A = max(1, max(r.numel() for r in rows_a))
-    anchor = torch.zeros(B, A, dtype=torch.long)
-    valid = torch.zeros(B, A, dtype=torch.bool)
-    for b, r in enumerate(rows_a):
-        anchor[b, : r.numel()], valid[b, : r.numel()] = r, True
-    anchor = anchor.repeat_interleave(k, 1)  # [B, A*k]
-    depth = torch.arange(1, k + 1).repeat(A).expand(B, -1).clone()
-    valid = valid.repeat_interleave(k, 1)
-    label = (anchor + depth + 1).clamp(max=T - 1)
-    trained = valid & (anchor + depth + 1 < lengths[:, None]) & loss_mask.gather(1, label)
-    return CodPlan(anchor, depth, valid, trained, torch.full_like(anchor, -1), [0, A * k])
 
 
 def dspark_for_target(target, k: int, num_layers: int = 1, draft_vocab: DraftVocab | None = None,

@@ -9,11 +9,12 @@ import torch
 from inference.generate import generate_plain, speculative_generate
 from inference.sampling import SamplingConfig
 from models.checkpoint import load_draft, save_draft
-from models.dspark import anchor_plan, dspark_for_target
+from models.dspark import dspark_for_target
 from models.errors import DraftheadsError
 from models.peagle import DraftCache
 from models.target import Target, tiny_random_llama
 from tests.test_trainer import losses, make_cfg, peaked_target, tiny_features  # noqa: F401 (fixture)
+from train.cod import anchor_plan
 
 K = 4
 

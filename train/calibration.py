@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from inference.sampling import SamplingConfig
-from models.dspark import anchor_plan
+from train.cod import anchor_plan
 from models.errors import DraftheadsError
 
 BINS = 15

@@ -6,6 +6,8 @@ any K instead of n * K.
 
 Columns are grouped by depth (block d holds depth d for every sequence, padded), so the chain's training-time
 test can run depth by depth on contiguous columns.
+
+Block drafters (DSpark / DFlash) train whole blocks instead: `anchor_plan` picks random anchors, every depth each.
 """
 
 from __future__ import annotations
@@ -87,3 +89,33 @@ def cod_plan(loss_mask: Tensor, lengths: Tensor, k: int, decay: float, generator
 def designed_count(n: int, k: int, decay: float) -> list[int]:
     """Tokens per depth 1..K that cod_plan keeps for n anchors (when enough candidates exist)."""
     return [n] + [round(n * decay ** (d - 1)) for d in range(2, k + 1)]
+
+
+def anchor_plan(loss_mask: Tensor, lengths: Tensor, k: int, anchors: int, generator: torch.Generator | None = None,
+                full_blocks: bool = False) -> CodPlan:
+    """Up to `anchors` random anchors per sequence, whole blocks: columns (a, 1..k) per anchor, in that order.
+
+    An anchor a qualifies when its first draft token x_{a+2} is a loss token (full_blocks: all of x_{a+2..a+k+1});
+    slot d is trained when x_{a+d+1} exists and is a loss token. loss_mask [B, T] bool, lengths [B].
+    """
+    B, T = loss_mask.shape
+    idx = torch.arange(T)
+    rows_a = []
+    for b in range(B):
+        L = int(lengths[b])
+        need = idx[:, None] + 2 + (torch.arange(k) if full_blocks else torch.zeros(1, dtype=torch.long))
+        ok = (need < L).all(1) & loss_mask[b][need.clamp(max=T - 1)].all(1)
+        cand = ok.nonzero().squeeze(1)
+        pick = cand[torch.randperm(cand.numel(), generator=generator)[:anchors]].sort().values
+        rows_a.append(pick)
+    A = max(1, max(r.numel() for r in rows_a))
+    anchor = torch.zeros(B, A, dtype=torch.long)
+    valid = torch.zeros(B, A, dtype=torch.bool)
+    for b, r in enumerate(rows_a):
+        anchor[b, : r.numel()], valid[b, : r.numel()] = r, True
+    anchor = anchor.repeat_interleave(k, 1)  # [B, A*k]
+    depth = torch.arange(1, k + 1).repeat(A).expand(B, -1).clone()
+    valid = valid.repeat_interleave(k, 1)
+    label = (anchor + depth + 1).clamp(max=T - 1)
+    trained = valid & (anchor + depth + 1 < lengths[:, None]) & loss_mask.gather(1, label)
+    return CodPlan(anchor, depth, valid, trained, torch.full_like(anchor, -1), [0, A * k])

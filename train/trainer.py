@@ -28,13 +28,13 @@ from torch import Tensor
 from models.checkpoint import build_draft, load_draft, save_draft
 from models.draft_vocab import build_draft_vocab
 from models.errors import DraftheadsError
-from models.dspark import anchor_plan
+from train.cod import anchor_plan
 from train.cod import cod_plan
 from train.losses import distill_loss, position_weights, token_ce, total_variation
 from train.temperature import temperature_at
 
 STAGES = ("soft_label", "rl")
-BLOCK_FAMILIES = ("dspark", "dflash")  # train on whole blocks at random anchors (models/dspark.py anchor_plan)
+BLOCK_FAMILIES = ("dspark", "dflash")  # train on whole blocks at random anchors (train/cod.py anchor_plan)
 LOSS_CHUNK_ROWS = 1024  # rows of [N, V] logits alive at once: 1024 x 49152 fp32 = 200 MB
 
 
