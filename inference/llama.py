@@ -19,13 +19,14 @@ from models.errors import DraftheadsError
 from models.target import Target, TargetOutput
 
 
-SMALL_M_ROWS = 6  # inputs of 2..6 rows (verifying up to 5 drafts): see `linear`
+SMALL_M_ROWS = 4  # inputs of 2..4 rows (verifying up to 3 drafts): see `linear`
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear, except for 2..SMALL_M_ROWS rows on CPU: weight @ x^T, a different GEMM shape that this CPU build
-    runs faster for a few rows. SmolLM2 forward on 2 idle cores, F.linear -> weight @ x^T: 2 rows 67 -> 56 ms,
-    3 rows 82 -> 64 ms, 6 rows 99 -> 80 ms; 9 rows 93 -> 108 ms (worse, hence the cap); 1 row 38 ms either way."""
+    runs faster for a few rows. SmolLM2 forward over a 300-token cache, 2 idle cores, F.linear -> weight @ x^T:
+    2 rows 73 -> 52 ms, 3 rows 89 -> 59 ms; 5-6 rows equal (66, 69 ms); 9 rows 75 -> 83 ms (worse, hence the
+    cap); 1 row 38 ms either way."""
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or not 2 <= rows <= SMALL_M_ROWS:
         return F.linear(x, weight, bias)
