@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from models.draft_vocab import DraftVocab
 from models.errors import DraftheadsError
-from models.peagle import DecoderLayer, DraftCache, DraftTrainOutput, PEagleDrafter, RMSNorm, apply_rotary, rotary
+from models.peagle import (DecoderLayer, DraftCache, DraftTrainOutput, PEagleDrafter, RMSNorm, apply_rotary, rotary,
+                           target_layer_sizes)
 
 SEQUENTIAL = ("markov", "rnn", "none")
 
@@ -217,14 +218,6 @@ class DSparkDrafter(nn.Module):
 def dspark_for_target(target, k: int, num_layers: int = 1, draft_vocab: DraftVocab | None = None,
                       sequential: str = "markov", rank: int = 256) -> DSparkDrafter:
     """A fresh head sized from the target's config (heads, head dim, MLP width, RoPE theta as the target)."""
-    c = target.model.config
-    rope = getattr(c, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-    head = DSparkDrafter(
-        hidden_size=c.hidden_size, num_aux_layers=len(target.layer_ids), num_layers=num_layers,
-        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        intermediate_size=c.intermediate_size, vocab_size=target.vocab_size, k=k, sequential=sequential, rank=rank,
-        draft_vocab_size=None if draft_vocab is None else draft_vocab.size, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=float(theta))
+    head = DSparkDrafter(**target_layer_sizes(target), num_layers=num_layers, k=k, sequential=sequential, rank=rank,
+                         draft_vocab_size=None if draft_vocab is None else draft_vocab.size)
     return head.to(target.dtype).attach_target(target, draft_vocab, fresh=True)

@@ -135,7 +135,8 @@ def main(argv=None) -> dict:
     out = embed_draft(source, head, args.out, fp["layer_ids"], fp["name"])
     report = {"out": str(out), "family": head.family_name, "draft_tensors": len(head.state_dict()),
               "draft_params": sum(p.numel() for p in head.parameters()),
-              "round_trip_identical_drafts": same_drafts(head, target, *load_embedded(out)) if hasattr(head, "draft") else None}
+              "round_trip_identical_drafts":
+                  same_drafts(head, target, *load_embedded(out)) if hasattr(head, "draft") else None}
     print(json.dumps(report))
     return report
 

@@ -356,15 +356,20 @@ class DraftCache:
 def peagle_for_target(target, k: int, num_layers: int = 1, parallel: bool = True,
                       draft_vocab: DraftVocab | None = None, norm_before_residual: bool = False) -> PEagleDrafter:
     """A fresh head sized from the target's config (heads, head dim, MLP width, RoPE theta as the target)."""
+    head = PEagleDrafter(**target_layer_sizes(target), num_layers=num_layers, k=k, parallel=parallel,
+                         draft_vocab_size=None if draft_vocab is None else draft_vocab.size,
+                         norm_before_residual=norm_before_residual)
+    return head.to(target.dtype).attach_target(target, draft_vocab, fresh=True)
+
+
+def target_layer_sizes(target) -> dict:
+    """Constructor sizes a draft head copies from its target: hidden size, fused layers, heads, head dim, MLP
+    width, vocab, norm eps, RoPE theta."""
     c = target.model.config
     rope = getattr(c, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-    head = PEagleDrafter(
-        hidden_size=c.hidden_size, num_aux_layers=len(target.layer_ids), num_layers=num_layers,
-        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        intermediate_size=c.intermediate_size, vocab_size=target.vocab_size, k=k, parallel=parallel,
-        draft_vocab_size=None if draft_vocab is None else draft_vocab.size, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=float(theta), norm_before_residual=norm_before_residual,
-    )
-    return head.to(target.dtype).attach_target(target, draft_vocab, fresh=True)
+    return dict(hidden_size=c.hidden_size, num_aux_layers=len(target.layer_ids), num_heads=c.num_attention_heads,
+                num_kv_heads=c.num_key_value_heads,
+                head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                intermediate_size=c.intermediate_size, vocab_size=target.vocab_size, rms_norm_eps=c.rms_norm_eps,
+                rope_theta=float(theta))
