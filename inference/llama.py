@@ -1,9 +1,10 @@
 """A compact Llama forward over the target's own weights, reading and writing a `StaticKVCache`.
 
 Why not `target.model(...)` with its cache: HF builds masks and cache objects every call and cannot
-attend to a tree; this file is the whole decode/verify path (~100 lines), shares the target's parameter
-tensors (no copy) and returns what `Target.forward` returns (logits, aux_hidden at target.layer_ids,
-final_hidden), so feature-based sources (P-EAGLE, DSpark) work unchanged in the runtime.
+attend to a tree; this file is the whole decode/verify path (~100 lines), reads the target's parameters
+(float32 CPU weights packed once for oneDNN, see `pack_for_cpu`; otherwise the tensors themselves) and
+returns what `Target.forward` returns (logits, aux_hidden at target.layer_ids, final_hidden),
+so feature-based sources (P-EAGLE, DSpark) work unchanged in the runtime.
 Reproduces `target.model` logits in float32 (tests/test_runtime.py::test_llama_matches_hf).
 """
 
@@ -19,23 +20,41 @@ from models.errors import DraftheadsError
 from models.target import Target, TargetOutput
 
 
-SMALL_M_ROWS = 4  # inputs of 2..4 rows (verifying up to 3 drafts): see `linear`
+def pack_for_cpu(weight: Tensor) -> Tensor:
+    """The weight in oneDNN's blocked layout, packed once, or the weight itself where that does not apply.
+
+    On CPU this build's F.linear runs float32 GEMMs through MKL, which takes its AVX2 path on this AMD CPU and repacks
+    the weight on every call; oneDNN's inner product on a pre-packed weight uses AVX-512 and packs nothing.
+    All 211 SmolLM2 linears, 1 thread, ms per forward (`python -m eval.linear_bench`), F.linear -> packed:
+    1 row 30.3 -> 22.4, 2 rows 46.8 -> 32.0, 9 rows 62.1 -> 37.9, 256 rows 667 -> 303.
+    bfloat16 F.linear already goes through oneDNN (18.7 ms for 1..4 rows), so only float32 is packed.
+    Costs one extra copy of the weights in memory."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return weight
+    return weight.detach().to_mkldnn()
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, except for 2..SMALL_M_ROWS rows on CPU: weight @ x^T, a different GEMM shape that this CPU build
-    runs faster for a few rows. SmolLM2 forward over a 300-token cache, 2 idle cores, F.linear -> weight @ x^T:
-    2 rows 73 -> 52 ms, 3 rows 89 -> 59 ms; 5-6 rows equal (66, 69 ms); 9 rows 75 -> 83 ms (worse, hence the
-    cap); 1 row 38 ms either way."""
-    rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or not 2 <= rows <= SMALL_M_ROWS:
-        return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], weight.shape[0])
-    return out if bias is None else out + bias
+    """F.linear on a dense weight, oneDNN's inner product on one packed by `pack_for_cpu`.
+
+    On CPU a 1-row input takes a GEMV kernel whose sums round differently from the GEMM that 2+ rows take, while
+    2+ rows give bitwise the same row whatever their number. In bfloat16 that difference flips greedy tokens, so a
+    1-row bfloat16 input goes through as 2 rows (same time: 18.3 vs 18.4 ms per SmolLM2 forward, 1 thread) and
+    decoding a token alone equals verifying it among drafts. float32 keeps GEMV (22 vs 32 ms; differences ~1e-6)."""
+    if x.device.type == "cpu" and x.dtype != torch.float32 and x.numel() == x.shape[-1]:
+        return linear(torch.cat([x, x], dim=-2), weight, bias)[..., :1, :]
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+QUERY_BLOCK = 16  # decode and verify forwards of up to 16 tokens attend as one 16-query block ...
+SPAN_BLOCK = 128  # ... over a key span rounded up to a multiple of 128: the same kernel shapes for a token whether
+# it is decoded alone or verified among drafts, so its logits are bitwise equal (bfloat16 SDPA is not batch-invariant)
 
 
 class LlamaForward:
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, pack_weights: bool = True):
         self.target = target
         hf = target.model.model
         cfg = target.model.config
@@ -43,9 +62,11 @@ class LlamaForward:
             raise DraftheadsError(f"the runtime's compact forward covers Llama-style models (silu MLP); target "
                                   f"'{target.name}' is '{cfg.model_type}' with {cfg.hidden_act}; "
                                   "use inference.generate for it")
-        # plain references to the target's parameters (no copy); module calls cost ~10 us each on CPU
+        # plain references to the target's parameters (packed on CPU); module calls cost ~10 us each on CPU
+        pack = pack_for_cpu if pack_weights else (lambda w: w)
+
         def wb(m):
-            return m.weight, m.bias
+            return pack(m.weight), m.bias
 
         self.layers = [  # per layer: ln1, q, k, v, o, ln2, gate, up, down
             (layer.input_layernorm.weight, wb(layer.self_attn.q_proj), wb(layer.self_attn.k_proj),
@@ -57,7 +78,8 @@ class LlamaForward:
         self.norm_weight = hf.norm.weight
         self.rotary = hf.rotary_emb  # the target's own RoPE (theta, scaling type) -> exact cos/sin
         self.embed_weight = hf.embed_tokens.weight
-        self.lm_head_module = target.model.get_output_embeddings()
+        lm_head = target.model.get_output_embeddings()
+        self.lm_head = (pack(lm_head.weight), lm_head.bias)
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -79,8 +101,11 @@ class LlamaForward:
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer, k, v, rows, slots, span)  # [B, kvh, S, hd]
         gqa = self.kv_heads != self.num_heads
+        if mask is not None and T < QUERY_BLOCK:  # decode/verify: one query shape for every T (see QUERY_BLOCK)
+            q = torch.cat([q, q[:, :, -1:].expand(B, -1, QUERY_BLOCK - T, -1)], dim=2)
+            mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, QUERY_BLOCK - T, -1)], dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=gqa)  # [B, nh, T, hd]
+                                             enable_gqa=gqa)[:, :, :T]  # [B, nh, T, hd]
         return linear(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim), *o_proj)
 
     def _mlp(self, layer: int, x: Tensor) -> Tensor:
@@ -102,6 +127,8 @@ class LlamaForward:
         rows = cache.all_rows() if rows is None else rows
         slots = cache.slots(rows, T)  # [B, T], also checks max_len
         span = cache.span(slots)
+        if T <= QUERY_BLOCK and not cache.static:
+            span = min(cache.max_len, -(-span // SPAN_BLOCK) * SPAN_BLOCK)
         tree_mask_given = tree_mask is not None
         if tree_mask is None:
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril().expand(B, T, T)
@@ -125,8 +152,7 @@ class LlamaForward:
         if compute_logits:
             picked = final if logits_at is None else torch.gather(
                 final, 1, logits_at[..., None].expand(-1, -1, final.shape[-1]))
-            lm = self.lm_head_module
-            logits = linear(picked, lm.weight, lm.bias)  # [B, T or T', V]
+            logits = linear(picked, *self.lm_head)  # [B, T or T', V]
         return TargetOutput(logits, aux, final, None)
 
     __call__ = forward

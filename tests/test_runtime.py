@@ -1,15 +1,19 @@
 """The runtime: compact Llama == HF, static cache, lossless chain/tree/batch decoding, T>0 distribution, memory."""
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from inference.generate import generate_plain
 from inference.kv_cache import StaticKVCache
-from inference.llama import LlamaForward
+from inference.llama import LlamaForward, linear, pack_for_cpu
 from inference.runtime import Runtime
 from inference.sampling import SamplingConfig
 from inference.sources.base import Draft
 from models.errors import DraftheadsError
+from models.target import Target
 
 GREEDY = SamplingConfig()
 
@@ -258,3 +262,41 @@ def test_smollm2_runtime_matches_hf_greedy(smollm2):
     assert (out.logits - ref_logits).abs().max() < 1e-3
     rt = Runtime(smollm2, max_len=64)
     assert rt.generate([prompt], 16, ignore_eos=True).tokens[0] == generate_plain(smollm2, prompt, 16, GREEDY, eos_ids=[])
+
+
+def test_packed_cpu_weights_match_f_linear():
+    w, b, x = torch.randn(48, 32), torch.randn(48), torch.randn(3, 5, 32)
+    packed = pack_for_cpu(w)
+    assert packed.is_mkldnn and not pack_for_cpu(w.bfloat16()).is_mkldnn
+    assert (linear(x, packed, b) - F.linear(x, w, b)).abs().max() < 1e-5
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(linear(xb[0, :1], wb), linear(xb[0, :3], wb)[:1])  # a row alone == the row among others
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_target):
+    return Target(copy.deepcopy(tiny_target.model).to(torch.bfloat16), tiny_target.tokenizer, "tiny-bf16")
+
+
+def test_bfloat16_token_decoded_alone_equals_verified_in_block(tiny_bf16):
+    """Bitwise: 5 tokens decoded one by one get the logits that one 5-token verify forward gives them."""
+    fwd = LlamaForward(tiny_bf16)
+    ids = torch.randint(0, 259, (1, 37), generator=torch.Generator().manual_seed(3))
+    caches = [fwd.new_cache(1, 64) for _ in range(2)]
+    for cache in caches:
+        fwd(ids[:, :32], cache)
+        cache.commit(cache.all_rows(), torch.tensor([32]))
+    one_by_one = []
+    for j in range(32, 37):
+        one_by_one.append(fwd(ids[:, j:j + 1], caches[0]).logits[0, -1])
+        caches[0].commit(caches[0].all_rows(), torch.tensor([1]))
+    assert torch.equal(torch.stack(one_by_one), fwd(ids[:, 32:], caches[1]).logits[0])
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_bfloat16_speculative_equals_plain_runtime(tiny_bf16, tree):
+    prompts = make_prompts()
+    rt = Runtime(tiny_bf16, max_len=128, batch_size=3)
+    plain = rt.generate(prompts, 40, ignore_eos=True).tokens
+    g = rt.generate(prompts, 40, source=OracleSource(prompts, plain, tree=tree), k=5, ignore_eos=True)
+    assert g.tokens == plain and g.stats.tau > 2.0
