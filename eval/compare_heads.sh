@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The head comparisons of issues #3 and #6 on the default target, one heavy job at a time, every head on the same
 # regenerated ShareGPT slice and budget (the settings of conf/experiment/peagle_smollm2.yaml):
-#   JOBS="peagle dspark dflash rnn medusa eagle3 rl anneal" bash eval/compare_heads.sh
+#   JOBS="peagle dspark dflash rnn medusa eagle3 rl rl_strong anneal" bash eval/compare_heads.sh
 # P-EAGLE-family heads share outputs/cmp/data3 (features of 3 target layers); DSpark-family heads share
 # outputs/cmp/data5 (5 layers; the regenerated text is copied over, so only the features are recomputed).
 # τ tables: outputs/cmp/NAME/eval/summary.md. Measured results: README.md.
@@ -33,7 +33,7 @@ run() {  # name data overrides...
   cat "$out/eval/summary.md" 2>/dev/null
 }
 
-for job in ${JOBS:-peagle dspark dflash rnn medusa eagle3 rl anneal}; do
+for job in ${JOBS:-peagle dspark dflash rnn medusa eagle3 rl rl_strong anneal}; do
   case $job in
     peagle) run peagle data3 +experiment=peagle_smollm2 "eval.k=[5,7,8]" "eval.sources=[prompt_lookup]" ;;
     medusa) run medusa data3 +experiment=medusa_smollm2 "eval.sources=[]" ;;
@@ -42,9 +42,12 @@ for job in ${JOBS:-peagle dspark dflash rnn medusa eagle3 rl anneal}; do
               train.temperature.end=1.0 train.temperature.schedule=cosine ;;
     rl)     run rl data3 +experiment=peagle_smollm2 "eval.sources=[]" "train.stages=[rl]" \
               draft.init_from="$ROOT/peagle/head_soft_label" train.rl_steps="${RL_STEPS:-150}" ;;
+    rl_strong) run rl_strong data3 +experiment=peagle_smollm2 "eval.sources=[]" "train.stages=[rl]" \
+              draft.init_from="$ROOT/peagle/head_soft_label" train.rl_steps=300 train.rl_lr=3e-4 \
+              train.rl_kl_weight=0.02 train.rl_pg_weight=0.5 ;;
     dspark) run dspark data5 +experiment=dspark_smollm2 ;;
     dflash) run dflash data5 +experiment=dflash_smollm2 ;;
     rnn)    run rnn data5 +experiment=dspark_smollm2 draft.extra.sequential=rnn ;;
-    *) echo "unknown job '$job' (peagle medusa eagle3 anneal rl dspark dflash rnn)"; exit 2 ;;
+    *) echo "unknown job '$job' (peagle medusa eagle3 anneal rl rl_strong dspark dflash rnn)"; exit 2 ;;
   esac
 done

@@ -184,9 +184,14 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
             row["tau"] = round(cat_stats[cat].tau, 3)
         per_cat[cat] = row
 
-    lossless = None
+    lossless, mismatches = None, []
     if "spec" in modes and "plain" in modes and sampling.greedy:
-        lossless = all(outputs["spec"][bi] == outputs["plain"][bi] for bi in range(len(batches)))
+        for bi, (cat, batch) in enumerate(batches):
+            for j, (a, b) in enumerate(zip(outputs["spec"][bi], outputs["plain"][bi])):
+                if a != b:
+                    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    mismatches.append({"category": cat, "batch": bi, "request": j, "first_differing_token": first})
+        lossless = not mismatches
     hf_match = None
     if "plain" in modes and "hf_generate" in modes and sampling.greedy:
         pairs = [(a, b) for bi in range(len(batches)) for a, b in zip(outputs["plain"][bi], outputs["hf_generate"][bi])]
@@ -206,7 +211,7 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
         "tau": round(spec_stats.tau, 3) if spec_stats.rounds else None,
         **({k: v for k, v in spec_stats.summary().items() if k in ("per_position_accept", "accept_hist")}
            if spec_stats.rounds else {}),
-        "per_category": per_cat, "lossless": lossless, "plain_equals_hf_greedy": hf_match,
+        "per_category": per_cat, "lossless": lossless, "lossless_mismatches": mismatches, "plain_equals_hf_greedy": hf_match,
     }
     ok = not (args.check_lossless and lossless is False)
     return result, ok

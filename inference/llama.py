@@ -48,9 +48,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
-QUERY_BLOCK = 16  # decode and verify forwards of up to 16 tokens attend as one 16-query block ...
-SPAN_BLOCK = 128  # ... over a key span rounded up to a multiple of 128: the same kernel shapes for a token whether
-# it is decoded alone or verified among drafts, so its logits are bitwise equal (bfloat16 SDPA is not batch-invariant)
+# Decode and verify forwards (<= QUERY_BLOCK tokens) attend as one QUERY_BLOCK-query block over a key span rounded up
+# to a multiple of SPAN_BLOCK, so a token gets bitwise the same logits decoded alone or verified among drafts (the
+# lossless check compares exactly that). CPU SDPA is row-invariant only for equal shapes, and its flash kernel sums
+# keys in blocks of min(512, span): spans of 256 and 384 round differently, any multiple of 512 the same (masked
+# blocks add exact zeros). A 2-thread bfloat16 run flipped 2 of 22 greedy outputs at 256 tokens with 128.
+QUERY_BLOCK = 16
+SPAN_BLOCK = 512
 
 
 class LlamaForward:

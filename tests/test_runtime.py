@@ -278,19 +278,20 @@ def tiny_bf16(tiny_target):
     return Target(copy.deepcopy(tiny_target.model).to(torch.bfloat16), tiny_target.tokenizer, "tiny-bf16")
 
 
-def test_bfloat16_token_decoded_alone_equals_verified_in_block(tiny_bf16):
+@pytest.mark.parametrize("prompt_len", [32, 252, 508])  # the 5-token block crosses key spans 256 and 512
+def test_bfloat16_token_decoded_alone_equals_verified_in_block(tiny_bf16, prompt_len):
     """Bitwise: 5 tokens decoded one by one get the logits that one 5-token verify forward gives them."""
     fwd = LlamaForward(tiny_bf16)
-    ids = torch.randint(0, 259, (1, 37), generator=torch.Generator().manual_seed(3))
-    caches = [fwd.new_cache(1, 64) for _ in range(2)]
+    ids = torch.randint(0, 259, (1, prompt_len + 5), generator=torch.Generator().manual_seed(3))
+    caches = [fwd.new_cache(1, 1024) for _ in range(2)]
     for cache in caches:
-        fwd(ids[:, :32], cache)
-        cache.commit(cache.all_rows(), torch.tensor([32]))
+        fwd(ids[:, :prompt_len], cache)
+        cache.commit(cache.all_rows(), torch.tensor([prompt_len]))
     one_by_one = []
-    for j in range(32, 37):
+    for j in range(prompt_len, prompt_len + 5):
         one_by_one.append(fwd(ids[:, j:j + 1], caches[0]).logits[0, -1])
         caches[0].commit(caches[0].all_rows(), torch.tensor([1]))
-    assert torch.equal(torch.stack(one_by_one), fwd(ids[:, 32:], caches[1]).logits[0])
+    assert torch.equal(torch.stack(one_by_one), fwd(ids[:, prompt_len:], caches[1]).logits[0])
 
 
 @pytest.mark.parametrize("tree", [False, True])
