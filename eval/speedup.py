@@ -10,13 +10,15 @@ times are medians over --repeats; tokens/s = new tokens / wall time (prefill inc
 first user turn in the target's chat template; batches are formed inside a category. Also reported:
 tau, acceptance per position, the cost of verifying n tokens vs 1 (profiled), KV-cache bytes.
 --check-lossless (temperature 0) exits 1 if any speculative output differs from plain greedy.
-Prints a per-category table, then ONE JSON line.
+Prints a per-category table, then ONE JSON line. Time on idle cores with the default OMP_WAIT_POLICY: PASSIVE (the
+setting that keeps concurrent jobs from thrashing) made 2-thread bf16 decoding 1.5x slower here (the JSON records it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -202,6 +204,7 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
         "temperature": args.temperature, "cuda_graphs": args.cuda_graphs, "compile": args.compile, "k": args.k,
         "dynamic_k": args.dynamic_k, "prefix": args.prefix, "batch": args.batch,
         "max_new": args.max_new, "prompts": len(prompts), "repeats": args.repeats, "threads": args.threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
         "kv_cache_bytes": rt.kv_cache_bytes,
         "verify_ms": {n: round(s * 1000, 2) for n, s in zip(cost.sizes, cost.seconds)},
         "verify_cost_ratio_k": round(cost(args.k + 1) / cost(1), 3),

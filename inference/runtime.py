@@ -283,7 +283,7 @@ class Runtime:
 
     # ---------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def profile_cost(self, sizes=(1, 2, 4, 8, 16), context: int = 128, repeats: int = 3) -> VerifyCost:
+    def profile_cost(self, sizes=(1, 2, 4, 8, 16), context: int = 128, repeats: int = 7) -> VerifyCost:
         """Seconds for one forward of n tokens after `context` committed ones (median of repeats): the
         steps-per-second curve the confidence prefix scheduler and the group planner read. Run once at start-up."""
         context = min(context, self.cache.max_len - max(sizes) - 1)
