@@ -80,8 +80,8 @@ class Runtime:
     def __init__(self, target, max_len: int = 2048, batch_size: int = 1, cuda_graphs: bool = False,
                  compile: bool = False, cost: VerifyCost | None = None):
         self.target = target
-        self.model = LlamaForward(target)
         self.compiled = cuda_graphs or compile  # static shapes: pad verify widths to powers of two
+        self.model = LlamaForward(target, pack_weights=not compile)  # inductor cannot read oneDNN-packed weights
         self.cache = self.model.new_cache(batch_size, max_len, static=self.compiled)
         self.forward = self.prefill = self.model.forward  # prefill shapes change with every prompt: eager
         if cuda_graphs:
