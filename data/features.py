@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
 
+from inference.llama import LlamaForward
 from models.errors import DraftheadsError
 from models.target import Target
 
@@ -55,6 +56,7 @@ def extract_features(
     buffered_tokens, new_tokens, t0 = 0, 0, time.perf_counter()
     todo = sequences[start:]
     bar = tqdm(total=sum(len(ids) for ids, _ in todo), desc="features", unit="tok")
+    forward = _feature_forward(target)
     i = 0
     while i < len(todo):
         batch = [todo[i]]  # pack sequences up to batch_tokens (right padding), never far past a shard boundary
@@ -63,7 +65,7 @@ def extract_features(
                and buffered_tokens + sum(len(s[0]) for s in batch) < shard_tokens):
             batch.append(todo[i + len(batch)])
         i += len(batch)
-        for seq, (aux, final) in zip(batch, _run_batch(target, [ids for ids, _ in batch])):
+        for seq, (aux, final) in zip(batch, _run_batch(forward, [ids for ids, _ in batch])):
             buffer.append({"input_ids": seq[0], "loss_mask": seq[1], "aux_hidden": aux, "final_hidden": final})
             buffered_tokens += len(seq[0])
             new_tokens += len(seq[0])
@@ -83,13 +85,28 @@ def extract_features(
             "bytes": total_bytes, "bytes_per_token": round(total_bytes / max(total_tokens, 1), 1)}
 
 
-def _run_batch(target: Target, seqs: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
+def _feature_forward(target: Target):
+    """(ids [B, T], attention_mask [B, T]) -> TargetOutput without logits. On CPU, for Llama-style targets, the
+    runtime's compact forward (float32 weights packed for oneDNN: HF's forward takes MKL's AVX2 path on this AMD CPU);
+    right padding then needs no mask, since under causal attention no real token sees a pad. Otherwise HF's forward."""
+    if target.device.type == "cpu":
+        try:
+            fwd = LlamaForward(target)
+        except DraftheadsError:
+            pass
+        else:
+            return lambda ids, attn: fwd(ids, fwd.new_cache(ids.shape[0], ids.shape[1]), compute_logits=False)
+    return lambda ids, attn: target(ids.to(target.device), attention_mask=attn.to(target.device),
+                                    compute_logits=False)
+
+
+def _run_batch(forward, seqs: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for r, s in enumerate(seqs):
         ids[r, : len(s)], attn[r, : len(s)] = s, 1
-    out = target(ids.to(target.device), attention_mask=attn.to(target.device), compute_logits=False)
+    out = forward(ids, attn)
     return [(out.aux_hidden[r, : len(s)].to(torch.bfloat16).cpu(), out.final_hidden[r, : len(s)].to(torch.bfloat16).cpu())
             for r, s in enumerate(seqs)]
 
