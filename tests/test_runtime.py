@@ -301,3 +301,21 @@ def test_bfloat16_speculative_equals_plain_runtime(tiny_bf16, tree):
     plain = rt.generate(prompts, 40, ignore_eos=True).tokens
     g = rt.generate(prompts, 40, source=OracleSource(prompts, plain, tree=tree), k=5, ignore_eos=True)
     assert g.tokens == plain and g.stats.tau > 2.0
+
+
+def test_first_source_falls_back_and_stays_lossless(tiny_target):
+    from inference.sources import build_source, source_layer_ids
+    from inference.sources.first import FirstSource
+    from inference.sources.prompt_lookup import PromptLookup
+
+    prompts = make_prompts((6, 11), seed=4)
+    ref = reference(tiny_target, prompts, 24)
+    heads = [OracleSource(prompts, ref, needs_features=True) for _ in prompts]
+    sources = [FirstSource([PromptLookup(), h], "first:test") for h in heads]
+    assert all(s.needs_features for s in sources)
+    g = Runtime(tiny_target, max_len=64, batch_size=2).generate(prompts, 24, source=sources, k=3, ignore_eos=True)
+    assert g.tokens == ref and all(len(h.feature_rows) > 0 for h in heads)  # the fallback drafted some rounds
+    assert isinstance(build_source("first:prompt_lookup+prompt_lookup:min_ngram=1", tiny_target), FirstSource)
+    assert source_layer_ids("first:prompt_lookup+prompt_lookup") is None
+    with pytest.raises(DraftheadsError, match="two or more sources"):
+        build_source("first:prompt_lookup", tiny_target)
