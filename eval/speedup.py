@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
 
     lossless, mismatches = None, []
     if "spec" in modes and "plain" in modes and sampling.greedy:
-        for bi, (cat, batch) in enumerate(batches):
+        for bi, (cat, _) in enumerate(batches):
             for j, (a, b) in enumerate(zip(outputs["spec"][bi], outputs["plain"][bi])):
                 if a != b:
                     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -214,7 +214,8 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
         "tau": round(spec_stats.tau, 3) if spec_stats.rounds else None,
         **({k: v for k, v in spec_stats.summary().items() if k in ("per_position_accept", "accept_hist")}
            if spec_stats.rounds else {}),
-        "per_category": per_cat, "lossless": lossless, "lossless_mismatches": mismatches, "plain_equals_hf_greedy": hf_match,
+        "per_category": per_cat, "lossless": lossless, "lossless_mismatches": mismatches,
+        "plain_equals_hf_greedy": hf_match,
     }
     ok = not (args.check_lossless and lossless is False)
     return result, ok

@@ -1,9 +1,9 @@
 """Draft sources and the registry that builds one from a spec string.
 
 A spec is `NAME` or `NAME:ARG` ("prompt_lookup", "prompt_lookup:max_ngram=4,min_ngram=2",
-"draft_file:PATH", "head:DIR", "first:prompt_lookup+head:DIR"). Registering a new source is one line: map its name to a factory
-`(arg: str | None, target) -> DraftSource`, either here in SOURCES as a lazy "module:function" string
-(imported only when used, so optional dependencies stay optional) or from the source's own module:
+"draft_file:PATH", "head:DIR", "first:prompt_lookup+head:DIR"). Registering a new source is one line: map its
+name to a factory `(arg: str | None, target) -> DraftSource`, either here in SOURCES as a lazy "module:function"
+string (imported only when used, so optional dependencies stay optional) or from the source's own module:
 
     SOURCES["head"] = "models.heads:head_source"       # here
     register_source("draft_file", draft_file_source)   # or there
