@@ -46,6 +46,7 @@ class DataConfig:
     regen_turns: int = 1  # assistant turns regenerated per conversation (later turns are dropped)
     regen_batch_size: int = 8
     regen_temperature: float = 0.0
+    regen_dtype: str = "bfloat16"  # the runtime decodes in this dtype (bf16: ~2x fp32 HF generate on CPU)
     features: bool = True  # extract offline features (hidden states) to safetensors shards
     shard_tokens: int = 16384  # tokens per feature shard
 

@@ -20,7 +20,7 @@ from models.target import Target
 def prepare_data(target: Target, out_dir: str | Path, *, source: str = "sharegpt", path: str | None = None,
                  max_records: int = 64, skip_records: int = 0, max_length: int = 1024, overlong: str = "truncate",
                  regen: bool = True, regen_max_new: int = 128, regen_turns: int = 1, regen_batch_size: int = 8,
-                 regen_temperature: float = 0.0, features: bool = True, shard_tokens: int = 16384,
+                 regen_temperature: float = 0.0, regen_dtype: str = "bfloat16", features: bool = True, shard_tokens: int = 16384,
                  seed: int = 0) -> dict:
     """Returns a report dict (also written to out_dir/data_report.json)."""
     out = Path(out_dir)
@@ -34,7 +34,7 @@ def prepare_data(target: Target, out_dir: str | Path, *, source: str = "sharegpt
     if regen:
         report["regenerate"] = regenerate(
             target, convs, out / "regenerated.jsonl", max_new=regen_max_new, turns=regen_turns,
-            batch_size=regen_batch_size, temperature=regen_temperature, seed=seed,
+            batch_size=regen_batch_size, temperature=regen_temperature, seed=seed, dtype=regen_dtype,
             max_prompt_tokens=max(max_length - regen_max_new, 1))
         records = sorted((json.loads(l) for l in (out / "regenerated.jsonl").open(encoding="utf-8")), key=lambda r: r["id"])
         chats = [(r["conversation"], not r["finished"][-1]) for r in records]

@@ -1,5 +1,9 @@
 """Regeneration: assistant turns re-written by the target, so the draft imitates the deployed model.
 
+Decoding runs on the project's own runtime (inference/runtime.py: static KV cache, oneDNN-packed or bf16 weights,
+right-padded batches, plain decoding) in `dtype`, bfloat16 by default. The text is
+what the target deployed in that dtype writes; greedy bf16 and fp32 continuations can part after a few dozen tokens.
+
 Batched (prompts sorted by length to cut padding), seeded per batch, written to JSONL as each batch finishes and
 resumed by skipping batches already on disk — a killed run loses at most one batch and, since batches are formed
 the same way every time, the resumed file equals the uninterrupted one.
@@ -7,6 +11,7 @@ the same way every time, the resumed file equals the uninterrupted one.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -16,7 +21,9 @@ from tqdm import tqdm
 
 from data.chat import prompt_ids
 from data.readers import Conversation
-from models.target import Target
+from inference.runtime import Runtime
+from inference.sampling import SamplingConfig
+from models.target import Target, _parse_dtype
 
 
 def _user_turns(conv: Conversation, turns: int) -> tuple[list[dict], list[str]]:
@@ -53,6 +60,7 @@ def regenerate(
     temperature: float = 0.0,
     seed: int = 0,
     max_prompt_tokens: int = 1024,
+    dtype: str = "bfloat16",
 ) -> dict:
     """Write one JSONL record per conversation: {"id", "conversation", "finished": [bool per turn], "new_tokens"}.
 
@@ -73,9 +81,8 @@ def regenerate(
             continue
         items.append((n_prompt, i, system, users))
     items.sort(key=lambda x: (x[0], x[1]))
+    decoder = _decoder(target, dtype)
     batches = [items[j : j + batch_size] for j in range(0, len(items), batch_size)]
-    eos = {tok.eos_token_id, *([target.model.generation_config.eos_token_id] if isinstance(
-        target.model.generation_config.eos_token_id, int) else target.model.generation_config.eos_token_id or [])}
     new_tokens, t0 = 0, time.perf_counter()
     with open(out_path, "a", encoding="utf-8") as f:
         for b, batch in enumerate(tqdm(batches, desc="regenerate", unit="batch")):
@@ -90,7 +97,7 @@ def regenerate(
                     break
                 for j in active:
                     chats[j].append({"role": "user", "content": batch[j][3][turn]})
-                texts, n_new = _generate(target, [chats[j] for j in active], max_new, temperature, gen, eos)
+                texts, n_new = _generate(decoder, [chats[j] for j in active], max_new, temperature, gen)
                 for j, (text, done_flag) in zip(active, texts):
                     chats[j].append({"role": "assistant", "content": text})
                     finished[j].append(done_flag)
@@ -101,30 +108,30 @@ def regenerate(
             f.flush()
     elapsed = time.perf_counter() - t0
     return {"records": len(items), "skipped_long_prompt": skipped_long, "new_tokens": new_tokens,
-            "seconds": round(elapsed, 2), "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1)}
+            "seconds": round(elapsed, 2), "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1), "dtype": dtype}
+
+
+def _decoder(target: Target, dtype: str) -> Target:
+    """The target in the decoding dtype (a copy when it differs; features still come from the original)."""
+    torch_dtype = _parse_dtype(dtype)
+    if torch_dtype == target.dtype:
+        return target
+    return Target(copy.deepcopy(target.model).to(torch_dtype), target.tokenizer, target.name, target.layer_ids)
 
 
 def _generate(target: Target, chats: list[Conversation], max_new: int, temperature: float,
-              gen: torch.Generator, eos: set[int]) -> tuple[list[tuple[str, bool]], int]:
-    """One batched sampling pass (left-padded) with the target's KV cache; returns (text, hit_eos) per chat."""
+              gen: torch.Generator) -> tuple[list[tuple[str, bool]], int]:
+    """One batched pass of the runtime (plain decoding); returns (text, hit_eos) per chat and the tokens made."""
     tok = target.tokenizer
     prompts = [prompt_ids(tok, c) for c in chats]
-    width = max(len(p) for p in prompts)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):], attn[r, width - len(p):] = p, 1
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    out = target.model.generate(
-        input_ids=ids, attention_mask=attn, max_new_tokens=max_new, do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-        pad_token_id=pad, eos_token_id=sorted(eos),
-    )[:, width:]
+    runtime = Runtime(target, max_len=max(len(p) for p in prompts) + max_new + 1, batch_size=len(prompts),
+                      row_invariant=False)  # plain decoding only: nothing to be equal to
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    out = runtime.generate(prompts, max_new, sampling=SamplingConfig(temperature=temperature), seed=seed)
     results, n_new = [], 0
-    for row in out.tolist():
-        cut = next((k for k, t in enumerate(row) if t in eos), None)
-        body = row if cut is None else row[:cut]
-        n_new += len(body) + (cut is not None)
-        results.append((tok.decode(body, skip_special_tokens=True), cut is not None))
+    for row in out.tokens:
+        hit_eos = bool(row) and row[-1] in runtime.eos
+        body = row[:-1] if hit_eos else row
+        n_new += len(row)
+        results.append((tok.decode(body, skip_special_tokens=True), hit_eos))
     return results, n_new

@@ -75,13 +75,14 @@ class Runtime:
 
     CUDA path for decode/verify: cuda_graphs=True captures one CUDA graph per (rows, T) (GraphedForward,
     seconds to build), compile=True uses torch.compile(mode="reduce-overhead") (minutes to build, may fuse
-    more). Either way the cache reads all max_len slots, so shapes never change with the context length."""
+    more). Either way the cache reads all max_len slots, so shapes never change with the context length.
+    row_invariant=False trades bitwise decode == verify equality for faster decoding (inference/llama.py)."""
 
     def __init__(self, target, max_len: int = 2048, batch_size: int = 1, cuda_graphs: bool = False,
-                 compile: bool = False, cost: VerifyCost | None = None):
+                 compile: bool = False, cost: VerifyCost | None = None, row_invariant: bool = True):
         self.target = target
         self.compiled = cuda_graphs or compile  # static shapes: pad verify widths to powers of two
-        self.model = LlamaForward(target, pack_weights=not compile)  # inductor cannot read oneDNN-packed weights
+        self.model = LlamaForward(target, pack_weights=not compile, row_invariant=row_invariant)  # inductor cannot read oneDNN-packed weights
         self.cache = self.model.new_cache(batch_size, max_len, static=self.compiled)
         self.forward = self.prefill = self.model.forward  # prefill shapes change with every prompt: eager
         if cuda_graphs:

@@ -105,6 +105,13 @@ def test_plain_matches_reference_loop(tiny_target):
     assert g.stats.tau == 1.0 and g.stats.rounds == 3 * 24
 
 
+def test_fast_decode_attention_matches_reference_loop(tiny_target):
+    """row_invariant=False (regeneration's decoding): float32 matmul attention over the real span, same greedy text."""
+    prompts = make_prompts()
+    rt = Runtime(tiny_target, max_len=128, batch_size=3, row_invariant=False)
+    assert rt.generate(prompts, 24, ignore_eos=True).tokens == reference(tiny_target, prompts, 24)
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_speculative_greedy_is_lossless_batched(tiny_target, tree):
     prompts = make_prompts()

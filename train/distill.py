@@ -40,6 +40,7 @@ def run(cfg: DictConfig) -> dict:
         target, out / "data", source=d.source, path=d.path, max_records=d.max_records, skip_records=d.skip_records,
         max_length=d.max_length, overlong=d.overlong, regen=d.regenerate, regen_max_new=d.regen_max_new,
         regen_turns=d.regen_turns, regen_batch_size=d.regen_batch_size, regen_temperature=d.regen_temperature,
+        regen_dtype=d.regen_dtype,
         features=d.features, shard_tokens=d.shard_tokens, seed=cfg.train.seed)}
     print("[draftheads] data:", json.dumps(report["data"]))
     sources = list(cfg.eval.sources)
