@@ -84,7 +84,9 @@ class TrainConfig:
     temperature: TemperatureConfig = field(default_factory=TemperatureConfig)
     rl_kl_weight: float = 0.1  # KL anchor to the stage-1 head
     rl_pg_weight: float = 0.1  # REINFORCE term on the exact-rule accepted length (leave-one-out batch baseline)
-    rl_max_context: int = 256  # RL: context tokens the target re-reads per block (keeps the online forward cheap)
+    rl_max_context: int = 256  # RL: context tokens the target re-reads per sequence (keeps the online forward cheap)
+    rl_anchors: int = 16  # RL: draft blocks per sequence and step, all scored in the sequence's one target forward
+    rl_temperature: Optional[float] = None  # RL: serving temperature to optimise; None = the schedule's; 0 = greedy
     checkpoint_every: int = 50
     holdout_sequences: int = 0  # feature sequences held out (from the end) for validation; 0 = none
     eval_every: int = 100  # stage 1: validate every N steps; the head with the lowest validation loss is kept

@@ -71,13 +71,16 @@ class StaticKVCache:
             return kc[:, :, :span], vc[:, :, :span]
         return kc[:, :, :span].index_select(0, rows), vc[:, :, :span].index_select(0, rows)
 
-    def attention_mask(self, rows: Tensor, slots: Tensor, tree_mask: Tensor, span: int) -> Tensor:
-        """Boolean mask [R, 1, T, span]: query j of request b sees every committed slot (< lengths[b]) and
-        the new slots its tree_mask [R, T, T] allows (ancestors and itself; causal for a chain)."""
+    def attention_mask(self, rows: Tensor, slots: Tensor, tree_mask: Tensor, span: int,
+                       context_limit: Tensor | None = None) -> Tensor:
+        """Boolean mask [R, 1, T, span]: query j of request b sees every committed slot (< lengths[b], or
+        < context_limit[b, j] when given: a draft block rooted inside the context) and the new slots its
+        tree_mask [R, T, T] allows (ancestors and itself; causal for a chain)."""
         R, T = slots.shape
         lengths = self.lengths[rows]
         key = torch.arange(span, device=slots.device)  # [S]
-        committed = key[None, None, :] < lengths[:, None, None]  # [R, 1, S]
+        limit = lengths[:, None, None] if context_limit is None else context_limit[..., None]  # [R, 1 or T, 1]
+        committed = key[None, None, :] < limit  # [R, 1 or T, S]
         rel = key[None, :] - lengths[:, None]  # [R, S] index of slot s among the new tokens
         in_new = (rel >= 0) & (rel < T)
         new_visible = torch.gather(tree_mask, 2, rel.clamp(0, T - 1)[:, None, :].expand(R, T, span))

@@ -140,6 +140,7 @@ class LlamaForward:
         compute_logits: bool = True,
         rows: Tensor | None = None,  # [B] cache rows (requests) of this forward; None = all rows
         logits_at: Tensor | None = None,  # [B, T'] only these positions get logits (skips pads in a prefill)
+        context_limit: Tensor | None = None,  # [B, T] committed slots each new token sees (default: all)
     ) -> TargetOutput:
         B, T = input_ids.shape
         rows = cache.all_rows() if rows is None else rows
@@ -153,7 +154,7 @@ class LlamaForward:
         positions = slots if position_offsets is None else cache.lengths[rows][:, None] + position_offsets
         # an empty cache and a chain: plain causal attention (SDPA's fused causal kernel, ~5% faster prefill)
         causal = tree_mask_given is False and span == T
-        mask = None if causal else cache.attention_mask(rows, slots, tree_mask, span)  # [B, 1, T, S]
+        mask = None if causal else cache.attention_mask(rows, slots, tree_mask, span, context_limit)  # [B, 1, T, S]
         h = F.embedding(input_ids, self.embed_weight)  # [B, T, H]
         cos, sin = self.rotary(h, positions)  # [B, T, hd]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd], broadcast over heads

@@ -145,7 +145,8 @@ class DSparkDrafter(nn.Module):
 
     # -- training --------------------------------------------------------------------------------
     def train_forward(self, batch: dict, plan) -> DraftTrainOutput:
-        """Blocks for every distinct anchor of the plan's labelled rows; rows teacher-force x_{k-1} = x_{a+k}.
+        """Blocks for every distinct anchor of the plan's labelled rows; rows teacher-force x_{k-1} = x_{a+k}
+        (or batch["slot_tokens"], the token each plan column reads, when given: RL's sampled blocks).
 
         `plan` is a train.cod.CodPlan: `anchor_plan` (stage 1) or train/rl.py's block_plan (stage 2); only the
         (anchor, depth) of rows with valid & trained matter. Output rows keep the plan's row-major order.
@@ -171,6 +172,9 @@ class DSparkDrafter(nn.Module):
         context_kv = self.contexts(aux, torch.arange(T, device=ids.device).expand(B, T))
         h = self.backbone(ids.gather(1, (block_anchor + 1).clamp(max=T - 1)), pos, context_kv, mask)
         prev = ids.gather(1, pos.clamp(max=T - 1)).view(B, A, self.k)  # x_{a+k} for slot k
+        if "slot_tokens" in batch:  # the tokens each (anchor, depth) column reads, when not the sequence's own
+            b_keep = torch.arange(B, device=ids.device)[:, None].expand_as(keep)[keep]
+            prev = prev.index_put((b_keep, block_of[keep], plan.depth[keep] - 1), batch["slot_tokens"][keep])
         hidden = torch.cat([h, self.sequential_features(prev).to(h.dtype)], -1)  # [B, A, gamma, H + r]
         b_idx = torch.arange(B, device=ids.device)[:, None].expand_as(keep)
         rows = hidden[b_idx[keep], block_of[keep], plan.depth[keep] - 1]

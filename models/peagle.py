@@ -220,7 +220,10 @@ class PEagleDrafter(nn.Module):
 
     # -- training ------------------------------------------------------------------------------
     def train_forward(self, batch: dict, plan) -> DraftTrainOutput:
-        """All anchors of the batch at once. `plan` (train.cod.CodPlan) says which (anchor, depth) tokens exist."""
+        """All anchors of the batch at once. `plan` (train.cod.CodPlan) says which (anchor, depth) tokens exist.
+
+        The chain's depth d reads token x_{anchor+d}; batch["slot_tokens"] [B, N] (optional) overrides the token
+        each plan column reads, for blocks that are not the sequence's own continuation (RL's sampled drafts)."""
         ids, aux = batch["input_ids"], batch["aux_hidden"]  # [B, T], [B, T, nH]
         B, T = ids.shape
         d1 = plan.depth == 1  # [B, N]
@@ -243,7 +246,9 @@ class PEagleDrafter(nn.Module):
                 if cols.numel() == 0:
                     break
                 qa, qd = plan.anchor[:, cols], plan.depth[:, cols]
-                e = self.embed(ids.gather(1, (qa.clamp(min=0) + d).clamp(max=T - 1)))
+                fed = batch["slot_tokens"][:, cols] if "slot_tokens" in batch else \
+                    ids.gather(1, (qa.clamp(min=0) + d).clamp(max=T - 1))
+                e = self.embed(fed)
                 pred = plan.predecessor[:, cols, None].clamp(min=0).expand(-1, -1, hidden.shape[-1])
                 h = hidden[:, cols] if d == 1 else prenorm.gather(1, pred)
                 seen = plan.columns_up_to(d)

@@ -1,17 +1,21 @@
 """Stage 2: acceptance-rate RL, on-policy, through the same loop as stage 1 (train/trainer.py run_loop).
 
 One step, for B sequences of the feature set:
-  1. pick an anchor a inside the trained (assistant) span, a + 2 <= rl_max_context (so the target re-reads the
-     WHOLE context: its scores are exact, not those of a truncated prefix);
-  2. sample a block y_1..y_K from the current head at temperature T (chain heads feed their samples back);
-  3. the frozen target scores [x_0..x_{a+1}, y_1..y_K] in one teacher-forced forward -> p_k;
+  1. pick up to rl_anchors distinct anchors a inside the trained (assistant) span, a + 2 <= rl_max_context;
+  2. sample a block y_1..y_K from the current head at each anchor (chain heads feed their samples back);
+  3. the frozen target scores every block of a sequence in ONE teacher-forced forward: the context once, then the
+     blocks side by side, block m seeing the context up to its anchor and itself (a forest, as in tree
+     verification) -> p_k. So 16 blocks cost about one context forward, not 16;
   4. recompute the head's q_k with gradients (teacher-forcing the sampled tokens: training == inference
      numerics, tests/test_peagle.py) and maximise
         E[accepted] = sum_k prod_{j<=k} alpha_j,   alpha_k = sum_v min(p_k, q_k)     (pathwise, low variance)
       + rl_pg_weight * REINFORCE on R = tokens accepted by the exact rule (min(1, p/q) then first rejection),
-        baseline = mean R of the other blocks in the batch (stateless, so resume stays exact)
+        baseline = mean R of the other blocks of the step (stateless, so resume stays exact)
       - rl_kl_weight * KL(q_stage1 || q)  (anchor to the stage-1 head).
-T follows the same temperature schedule as stage 1.
+The temperature is the schedule's (as in stage 1) unless train.rl_temperature fixes the serving temperature. At 0
+(greedy serving) blocks are the head's argmax, p is one-hot at the target's argmax, so alpha_k = q_k(target argmax)
+at the head's own temperature 1 and E[accepted] is the expected greedy acceptance length; there is no REINFORCE term
+(the blocks are not samples of q).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inference.llama import LlamaForward
 from inference.sampling import SamplingConfig
 from models.checkpoint import FAMILIES
 from models.errors import DraftheadsError
@@ -39,35 +44,36 @@ def frozen_copy(head, target):
     return ref.to(device=target.device, dtype=target.dtype).attach_target(target).eval().requires_grad_(False)
 
 
-def pick_anchor(item: dict, k: int, max_context: int, g: torch.Generator) -> int | None:
-    """An anchor a whose next draft token (a+2) is a trained token, with a+2 <= max_context."""
+def pick_anchors(item: dict, n: int, max_context: int, g: torch.Generator) -> list[int]:
+    """Up to n distinct anchors a (sorted) whose first draft token x_{a+2} is a trained token, a + 2 <= max_context."""
     L = len(item["input_ids"])
     idx = torch.arange(L)
     ok = (idx + 2 < L) & (idx + 2 <= max_context)
     ok &= item["loss_mask"][(idx + 2).clamp(max=L - 1)]
     cand = ok.nonzero().squeeze(1)
-    if cand.numel() == 0:
-        return None
-    return int(cand[torch.randint(cand.numel(), (1,), generator=g)])
+    return sorted(cand[torch.randperm(cand.numel(), generator=g)[:n]].tolist())
 
 
-def block_plan(anchors: list[int], k: int, device) -> CodPlan:
-    """Plan with depth-1 tokens for anchors 0..a_b (the context) and depths 1..K trained for anchor a_b only."""
-    B, W = len(anchors), max(anchors) + 1
-    a1 = torch.arange(W).expand(B, W).clone()
-    v1 = a1 <= torch.tensor(anchors)[:, None]
-    tr1 = a1 == torch.tensor(anchors)[:, None]
-    cols_a, cols_d, cols_v, cols_t, cols_p = [a1], [torch.ones(B, W, dtype=torch.long)], [v1], [tr1], [torch.full((B, W), -1)]
+def block_plan(anchors: Tensor, valid: Tensor, k: int) -> CodPlan:
+    """anchors [B, M] (sorted per row; padding repeats the last one), valid [B, M] -> the plan: depth-1 tokens for
+    every context anchor 0..max a_b, and depths 1..K trained for each valid block anchor."""
+    B, M = anchors.shape
+    top = torch.where(valid, anchors, torch.zeros_like(anchors)).amax(1)  # [B] last anchor of each row
+    W = int(top.max()) + 1
+    a1 = torch.arange(W).expand(B, W)
+    hit = torch.zeros(B, W, dtype=torch.bool)
+    hit[torch.arange(B)[:, None].expand(B, M)[valid], anchors[valid]] = True
+    cols_a, cols_d, cols_v, cols_t, cols_p = [a1], [torch.ones(B, W, dtype=torch.long)], [a1 <= top[:, None]], [hit], \
+        [torch.full((B, W), -1)]
     blocks = [0, W]
     for d in range(2, k + 1):
-        cols_a.append(torch.tensor(anchors)[:, None])
-        cols_d.append(torch.full((B, 1), d))
-        cols_v.append(torch.ones(B, 1, dtype=torch.bool))
-        cols_t.append(torch.ones(B, 1, dtype=torch.bool))
-        cols_p.append(torch.tensor(anchors)[:, None] if d == 2 else torch.full((B, 1), blocks[-2]))
-        blocks.append(blocks[-1] + 1)
-    cat = lambda xs: torch.cat(xs, 1).to(device)  # noqa: E731
-    return CodPlan(cat(cols_a), cat(cols_d), cat(cols_v), cat(cols_t), cat(cols_p), blocks)
+        cols_a.append(anchors)
+        cols_d.append(torch.full((B, M), d))
+        cols_v.append(valid)
+        cols_t.append(valid)
+        cols_p.append(anchors if d == 2 else torch.arange(M).expand(B, M) + blocks[-2])
+        blocks.append(blocks[-1] + M)
+    return CodPlan(*(torch.cat(c, 1) for c in (cols_a, cols_d, cols_v, cols_t, cols_p)), blocks)
 
 
 def exact_accepted(p_tok: Tensor, q_tok: Tensor, g: torch.Generator) -> Tensor:
@@ -82,95 +88,155 @@ def expected_accepted(alpha: Tensor) -> Tensor:
     return alpha.cumprod(1).sum(1)
 
 
+@torch.no_grad()
+def score_blocks(model: LlamaForward, contexts: list[Tensor], anchors: Tensor, y: Tensor) -> Tensor:
+    """Target logits [B, M, K, V] for the blocks y [B, M, K] drafted after anchors [B, M] of contexts (token ids,
+    context b ends at token max_m a_bm + 1): logits k of block m are the target's next-token scores after
+    x_0..x_{a+1}, y_1..y_{k-1}. One forward for the contexts, one for all blocks (tree verification's masks)."""
+    B, M, K = y.shape
+    dev = y.device
+    width = max(c.numel() for c in contexts)
+    cache = model.new_cache(B, width + M * (K - 1))
+    rows = cache.all_rows()
+    ids = torch.zeros(B, width, dtype=torch.long, device=dev)
+    for b, c in enumerate(contexts):
+        ids[b, : c.numel()] = c
+    first = model(ids, cache, rows=rows, logits_at=anchors + 1).logits  # [B, M, V]: after x_{a+1}
+    if K == 1:
+        return first[:, :, None].float()
+    cache.commit(rows, torch.tensor([c.numel() for c in contexts], device=dev))
+    j = torch.arange(K - 1, device=dev)
+    block = torch.arange(M, device=dev).repeat_interleave(K - 1)  # [T] block of each new token
+    step = j.repeat(M)  # [T] its index inside the block
+    tree = (block[:, None] == block[None]) & (step[None] <= step[:, None])  # [T, T] query sees key
+    pos = (anchors.repeat_interleave(K - 1, 1) + 2 + step)  # [B, T] y_{j+1} sits at a + 2 + j
+    rest = model(y[:, :, : K - 1].reshape(B, -1), cache, tree_mask=tree.expand(B, -1, -1),
+                 position_offsets=pos - cache.lengths[:, None], rows=rows,
+                 context_limit=anchors.repeat_interleave(K - 1, 1) + 2).logits  # [B, M*(K-1), V]
+    return torch.cat([first[:, :, None], rest.view(B, M, K - 1, -1)], 2).float()
+
+
 def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
+    scorer = LlamaForward(target)
+
     def step_fn(micro: int, temperature: float):
         core = _unwrap(head)
         g = torch.Generator().manual_seed(tc.seed * BLOCK_SEED + micro)
-        items, anchors = [], []
+        serve_t = temperature if tc.rl_temperature is None else tc.rl_temperature
+        items, anchor_lists = [], []
         n = len(dataset)
         for i in batch_indices(micro, tc.batch_size, n, tc.seed + 1):
-            item, a = dataset[i], None
+            item, picked = dataset[i], []
             for _ in range(n):  # a sequence without a usable anchor: take the next one
-                a = pick_anchor(item, k, tc.rl_max_context, g)
-                if a is not None:
+                picked = pick_anchors(item, tc.rl_anchors, tc.rl_max_context, g)
+                if picked:
                     break
                 i = (i + 1) % n
                 item = dataset[i]
-            if a is None:
+            if not picked:
                 raise DraftheadsError(f"no sequence has a trained token within train.rl_max_context="
                                       f"{tc.rl_max_context} tokens; raise it")
             items.append(item)
-            anchors.append(a)
+            anchor_lists.append(picked)
+        B, M = len(items), max(len(a) for a in anchor_lists)
+        anchors = torch.tensor([a + [a[-1]] * (M - len(a)) for a in anchor_lists])  # [B, M], padding repeats
+        valid = torch.tensor([[m < len(a) for m in range(M)] for a in anchor_lists])
 
-        # 1-2. on-policy blocks (no grad): y [B, K]
-        sampling = SamplingConfig(temperature=temperature)  # the runtime's one sampler
+        # 1-2. on-policy blocks (no grad): y [B, M, K]
+        sampling = SamplingConfig(temperature=serve_t)  # the runtime's one sampler (argmax at 0)
+        chain = []
 
         def sampler(logits):
             tok = sampling.sample(core.full_vocab_logits(logits.float()), g)
-            blocks[-1].append(tok)
+            chain.append(tok)
             return tok
 
-        blocks = []
-        for item, a in zip(items, anchors):
-            blocks.append([])
-            feats = item[core.feature][: a + 1].to(device)
-            logits = core.full_vocab_logits(core.draft_logits(item["input_ids"][: a + 2].to(device), feats, DraftCache(),
-                                                              k, sampler).float())
-            rest = sampling.sample(logits[len(blocks[-1]):], g)
-            blocks[-1] = torch.cat([torch.stack(blocks[-1]).view(-1), rest]) if blocks[-1] else rest
-        y = torch.stack(blocks).to(device)  # [B, K]
+        y = torch.zeros(B, M, k, dtype=torch.long)
+        for b, item in enumerate(items):
+            cache = DraftCache()  # anchors ascend, so the head's context cache only grows
+            for m, a in enumerate(anchor_lists[b]):
+                chain.clear()
+                logits = core.full_vocab_logits(core.draft_logits(
+                    item["input_ids"][: a + 2].to(device), item[core.feature][: a + 1].to(device), cache, k,
+                    sampler).float())
+                drawn = torch.stack(chain).view(-1).cpu() if chain else torch.empty(0, dtype=torch.long)
+                y[b, m] = torch.cat([drawn, sampling.sample(logits[len(chain):], g).view(-1).cpu()])
+            y[b, len(anchor_lists[b]):] = y[b, len(anchor_lists[b]) - 1]
+        y = y.to(device)
 
-        # 3. the frozen target scores context + block in one forward
-        seqs = [torch.cat([it["input_ids"][: a + 2].to(device), y[b]]) for b, (it, a) in enumerate(zip(items, anchors))]
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
-        attn = torch.zeros_like(ids)
-        for b, s in enumerate(seqs):
-            ids[b, : len(s)], attn[b, : len(s)] = s, 1
-        with torch.no_grad():
-            rows = torch.tensor(anchors, device=device)[:, None] + 1 + torch.arange(k, device=device)  # [B, K]
-            final = target(ids, attention_mask=attn, compute_logits=False).final_hidden
-            p_logits = target.lm_head(final.gather(1, rows[..., None].expand(-1, -1, final.shape[-1])))  # [B, K, V]
-            p = F.softmax(p_logits.float() / temperature, -1)
+        # 3. the frozen target scores each sequence's context + blocks in one forward
+        contexts = [it["input_ids"][: max(a) + 2].to(device) for it, a in zip(items, anchor_lists)]
+        p_logits = score_blocks(scorer, contexts, anchors.to(device), y)[valid.to(device)]  # [N, K, V]
+        p = sampling.probs(p_logits / (serve_t if serve_t > 0 else 1.0)) if serve_t > 0 else sampling.probs(p_logits)
 
         # 4. the head's q with gradients, on the sampled tokens
-        H = items[0]["aux_hidden"].shape[-1]
-        batch = {"input_ids": ids, "aux_hidden": torch.zeros(len(items), width, H, device=device),
-                 "final_hidden": torch.zeros(len(items), width, items[0]["final_hidden"].shape[-1], device=device)}
-        for b, (it, a) in enumerate(zip(items, anchors)):
-            batch["aux_hidden"][b, : a + 1] = it["aux_hidden"][: a + 1].to(device)
-            batch["final_hidden"][b, : a + 1] = it["final_hidden"][: a + 1].to(device)
-        plan = block_plan(anchors, k, device)
-        out = head(batch, plan)  # through the (possibly distributed) wrapper
-        q_logits = core.full_vocab_logits(core.logits_for(out.hidden, out.depth).float()).view(len(items), k, -1)
-        log_q = F.log_softmax(q_logits / temperature, -1)
+        batch, plan = block_batch(items, contexts, anchors.to(device), valid.to(device), y)
+        q_t = serve_t if serve_t > 0 else 1.0  # greedy serving: the head's own distribution
+        log_q = block_log_probs(core, head(batch, plan), anchors.to(device), valid.to(device), k, q_t)  # [N, K, V]
         q = log_q.exp()
-        alpha = torch.minimum(p, q).sum(-1)  # [B, K]
+        yv = y[valid.to(device)]  # [N, K]
+        alpha = torch.minimum(p, q).sum(-1)  # [N, K]
         expected = expected_accepted(alpha)
-        q_tok = q.gather(-1, y[..., None]).squeeze(-1)
-        p_tok = p.gather(-1, y[..., None]).squeeze(-1)
-        reward = exact_accepted(p_tok.detach(), q_tok.detach(), g).float()  # [B]
-        B = len(items)
-        baseline = (reward.sum() - reward) / (B - 1) if B > 1 else torch.zeros_like(reward)
-        decided = torch.arange(k, device=device)[None] <= reward[:, None]  # accepted tokens + the first rejected
-        logq_tok = log_q.gather(-1, y[..., None]).squeeze(-1)
-        pg = -((reward - baseline)[:, None] * logq_tok * decided).sum(1)
-        loss = -expected.mean() + tc.rl_pg_weight * pg.mean()
+        q_tok = q.gather(-1, yv[..., None]).squeeze(-1)
+        p_tok = p.gather(-1, yv[..., None]).squeeze(-1)
+        reward = exact_accepted(p_tok.detach(), q_tok.detach(), g).float()  # [N]
+        N = reward.numel()
+        loss = -expected.mean()
+        if serve_t > 0 and tc.rl_pg_weight > 0:
+            baseline = (reward.sum() - reward) / (N - 1) if N > 1 else torch.zeros_like(reward)
+            decided = torch.arange(k, device=device)[None] <= reward[:, None]  # accepted tokens + the first rejected
+            logq_tok = log_q.gather(-1, yv[..., None]).squeeze(-1)
+            loss = loss + tc.rl_pg_weight * (-((reward - baseline)[:, None] * logq_tok * decided).sum(1)).mean()
         if tc.rl_kl_weight > 0:
             with torch.no_grad():
-                ref_out = reference(batch, plan)
-                ref_logits = reference.full_vocab_logits(reference.logits_for(ref_out.hidden, ref_out.depth).float())
-                ref_logp = F.log_softmax(ref_logits.view(B, k, -1) / temperature, -1)
+                ref_logp = block_log_probs(reference, reference(batch, plan), anchors.to(device), valid.to(device),
+                                            k, q_t)
             ref_p = ref_logp.exp()  # 0 outside a draft vocabulary, where both log-probs are -inf
-            kl = torch.where(ref_p > 0, ref_p * (ref_logp - log_q), torch.zeros_like(ref_p)).sum(-1)  # [B, K]
+            kl = torch.where(ref_p > 0, ref_p * (ref_logp - log_q), torch.zeros_like(ref_p)).sum(-1)  # [N, K]
             loss = loss + tc.rl_kl_weight * kl.mean()
-        stats = {"tokens": int(sum(len(s) for s in seqs)), "reward": float(reward.mean()),
-                 "expected_accepted": float(expected.detach().mean())}
+        stats = {"tokens": int(sum(c.numel() for c in contexts) + N * (k - 1)), "blocks": N,
+                 "reward": float(reward.mean()), "expected_accepted": float(expected.detach().mean()),
+                 "serve_temperature": serve_t}
         for d in range(k):
             stats[f"alpha_{d + 1}"] = float(alpha[:, d].detach().mean())
         return loss, stats
 
     return step_fn
+
+
+def block_batch(items: list[dict], contexts: list[Tensor], anchors: Tensor, valid: Tensor, y: Tensor
+                ) -> tuple[dict, CodPlan]:
+    """The head's training inputs for blocks y [B, M, K] at anchors [B, M]: features of each context and a plan
+    whose depth-d column of block m reads y_{d-1} (batch["slot_tokens"]) instead of the sequence's own x_{a+d}."""
+    B, M, k = y.shape
+    device = y.device
+    width = max(c.numel() for c in contexts)
+    batch = {"input_ids": torch.zeros(B, width, dtype=torch.long, device=device)}
+    for key in ("aux_hidden", "final_hidden"):
+        batch[key] = torch.zeros(B, width, items[0][key].shape[-1], device=device)
+    for b, (it, c) in enumerate(zip(items, contexts)):
+        batch["input_ids"][b, : c.numel()] = c
+        for key in ("aux_hidden", "final_hidden"):
+            batch[key][b, : c.numel()] = it[key][: c.numel()].to(device)
+    plan = block_plan(anchors.cpu(), valid.cpu(), k)
+    plan = CodPlan(*(t.to(device) for t in (plan.anchor, plan.depth, plan.valid, plan.trained, plan.predecessor)),
+                   plan.blocks)
+    fed = batch["input_ids"].gather(1, (plan.anchor + 1).clamp(max=width - 1))  # depth 1 reads x_{a+1}
+    m_of = torch.searchsorted(anchors.contiguous(), plan.anchor.contiguous()).clamp(max=M - 1)
+    drafted = y[torch.arange(B, device=device)[:, None], m_of, (plan.depth - 2).clamp(min=0)]
+    batch["slot_tokens"] = torch.where(plan.depth > 1, drafted, fed)
+    return batch, plan
+
+
+def block_log_probs(core, out, anchors: Tensor, valid: Tensor, k: int, temperature: float) -> Tensor:
+    """The head's log q [N, K, V] per valid block (row-major (b, m) order) from train_forward's rows."""
+    M = anchors.shape[1]
+    m = (anchors[out.batch_index] < out.anchor[:, None]).sum(1)  # first column of the row's anchor
+    order = ((out.batch_index * M + m) * k + out.depth - 1).argsort()
+    logits = core.full_vocab_logits(core.logits_for(out.hidden, out.depth).float())[order]
+    if logits.shape[0] != int(valid.sum()) * k:
+        raise DraftheadsError(f"RL plan gave {logits.shape[0]} draft rows for {int(valid.sum())} blocks of {k}")
+    return F.log_softmax(logits.view(-1, k, logits.shape[-1]) / temperature, -1)
 
 
 def train_rl(cfg, head, target, dataset, out: Path, metrics_path: Path, wandb_run=None, stop_at_step=None):
