@@ -77,6 +77,8 @@ class TrainConfig:
     position_weighting: str = "exp"  # none | exp  (exp(-(k-1)/gamma))
     position_gamma: Optional[float] = None  # gamma of the exp position weights; None = draft.k
     lk_tv_weight: float = 0.5  # loss=lk: (1 - w) * forward KL + w * TV
+    hidden_weight: float = 0.0  # hidden-state regression (P-EAGLE / EAGLE-3): SmoothL1 of the head's LM-head input
+    # to the target's at the same position, mean over the hidden size (EAGLE-1's feature loss); 0 = off
     distill_weight: float = 1.0  # weight of the distillation term (DSpark: 0.9 with loss=tv, ce_weight=0.1)
     confidence_weight: float = 1.0  # heads with a confidence head (DSpark): BCE(c_k, 1 - TV_k detached)
     anchors_per_sequence: int = 16  # block heads (dspark / dflash): random anchors per sequence and step

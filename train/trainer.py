@@ -308,7 +308,9 @@ def soft_label_step_fn(head, target, dataset, tc, k: int, device):
         for s in range(0, n, LOSS_CHUNK_ROWS):
             chunk = slice(s, s + LOSS_CHUNK_ROWS)
             tgt, labels = draft_labels(target, core, batch, out, chunk)
-            part, hit = _chunk_loss(core, out.hidden[chunk], out.depth[chunk], tgt, labels, w[chunk], tc, temperature)
+            ref = _regression_target(core, batch, out, chunk, tc)
+            part, hit = _chunk_loss(core, out.hidden[chunk], out.depth[chunk], tgt, labels, w[chunk], tc, temperature,
+                                    ref)
             total = total + part
             agree[chunk] = hit
         loss = total / w.sum().clamp(min=1e-6)
@@ -321,11 +323,26 @@ def soft_label_step_fn(head, target, dataset, tc, k: int, device):
     return step_fn
 
 
-def _chunk_loss(core, hidden, depth, tgt, labels, w, tc, temperature):
-    """Weighted loss sum of one chunk; logits are recomputed in backward (checkpoint) so only one chunk is alive."""
+def _regression_target(core, batch: dict, out, chunk: slice, tc) -> Tensor | None:
+    """The target's LM-head input at each row's label position (train.hidden_weight > 0), for heads whose output
+    rows are their own LM-head input (P-EAGLE, EAGLE-3); None when the term is off."""
+    if tc.hidden_weight <= 0:
+        return None
+    final = batch["final_hidden"][out.batch_index[chunk], (out.anchor + out.depth)[chunk]]
+    if final.shape[-1] != out.hidden.shape[-1] or core.family_name not in ("peagle", "eagle3"):
+        raise DraftheadsError(f"train.hidden_weight={tc.hidden_weight} regresses the head's LM-head input onto the "
+                              f"target's; a {core.family_name} head has no such state. Set train.hidden_weight=0")
+    return final
+
+
+def _chunk_loss(core, hidden, depth, tgt, labels, w, tc, temperature, ref=None):
+    """Weighted loss sum of one chunk; logits are recomputed in backward (checkpoint) so only one chunk is alive.
+    ref: the target's LM-head input per row for hidden-state regression (EAGLE's SmoothL1 feature loss), or None."""
     def f(h):
         logits = core.logits_for(h, depth)
         per = tc.distill_weight * distill_loss(tc.loss, tgt, logits, temperature, tc.lk_tv_weight)
+        if ref is not None:
+            per = per + tc.hidden_weight * F.smooth_l1_loss(h.float(), ref.float(), reduction="none").mean(-1)
         if tc.ce_weight > 0:
             per = per + tc.ce_weight * token_ce(logits, labels)
         if tc.confidence_weight > 0 and hasattr(core, "confidence_logit"):  # DSpark: c_k learns 1 - TV_k
