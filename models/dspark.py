@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from models.draft_vocab import DraftVocab
 from models.errors import DraftheadsError
-from models.peagle import (DecoderLayer, DraftCache, DraftTrainOutput, PEagleDrafter, RMSNorm, apply_rotary, rotary,
-                           target_layer_sizes)
+from models.peagle import (DecoderLayer, DraftCache, DraftTrainOutput, PEagleDrafter, RMSNorm, apply_rotary,
+                           head_rope_scaling, rotary, target_layer_sizes)
 
 SEQUENTIAL = ("markov", "rnn", "none")
 
@@ -46,16 +46,18 @@ class DSparkDrafter(nn.Module):
     def __init__(self, hidden_size: int, num_aux_layers: int, num_layers: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, intermediate_size: int, vocab_size: int, k: int, sequential: str = "markov",
                  rank: int = 256, draft_vocab_size: int | None = None, rms_norm_eps: float = 1e-5,
-                 rope_theta: float = 10000.0):
+                 rope_theta: float = 10000.0, rope_scaling: dict | None = None):
         super().__init__()
         if sequential not in SEQUENTIAL:
             raise DraftheadsError(f"draft.extra.sequential '{sequential}' is not one of {list(SEQUENTIAL)}")
+        rope_scaling = head_rope_scaling(rope_scaling, head_dim, rope_theta)
         self.config = dict(hidden_size=hidden_size, num_aux_layers=num_aux_layers, num_layers=num_layers,
                            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            intermediate_size=intermediate_size, vocab_size=vocab_size, k=k, sequential=sequential,
                            rank=rank, draft_vocab_size=draft_vocab_size, rms_norm_eps=rms_norm_eps,
-                           rope_theta=rope_theta)
+                           rope_theta=rope_theta, rope_scaling=rope_scaling)
         self.k, self.sequential, self.head_dim, self.rope_theta = k, sequential, head_dim, rope_theta
+        self.rope_scaling = rope_scaling
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         H = hidden_size
         self.fc = nn.Linear(num_aux_layers * H, H, bias=False)
@@ -129,7 +131,7 @@ class DSparkDrafter(nn.Module):
     def contexts(self, aux: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """aux [B, n, nH], positions [B, n] -> per layer (k, v) of the context rows."""
         context = self.context_norm(self.fc(aux.to(self.fc.weight.dtype)))
-        cos, sin = rotary(positions, self.head_dim, self.rope_theta)
+        cos, sin = rotary(positions, self.head_dim, self.rope_theta, self.rope_scaling)
         return [self.context_kv(layer, context, cos, sin) for layer in self.layers]
 
     def backbone(self, first_ids: Tensor, positions: Tensor, context_kv, mask: Tensor | None) -> Tensor:
@@ -138,7 +140,7 @@ class DSparkDrafter(nn.Module):
         first = self.embed(first_ids)[:, :, None]  # [B, A, 1, H]
         x = torch.cat([first, self.mask_embedding.to(first.dtype).expand(B, A, self.k - 1, first.shape[-1])], 2)
         x = x.reshape(B, A * self.k, -1)
-        cos, sin = rotary(positions, self.head_dim, self.rope_theta)
+        cos, sin = rotary(positions, self.head_dim, self.rope_theta, self.rope_scaling)
         for layer, past in zip(self.layers, context_kv):
             x, _ = layer(None, x, cos, sin, mask, past)
         return self.norm(x).view(B, A, self.k, -1)
@@ -221,7 +223,7 @@ class DSparkDrafter(nn.Module):
 
 def dspark_for_target(target, k: int, num_layers: int = 1, draft_vocab: DraftVocab | None = None,
                       sequential: str = "markov", rank: int = 256) -> DSparkDrafter:
-    """A fresh head sized from the target's config (heads, head dim, MLP width, RoPE theta as the target)."""
+    """A fresh head sized from the target's config (heads, head dim, MLP width, RoPE theta and scaling)."""
     head = DSparkDrafter(**target_layer_sizes(target), num_layers=num_layers, k=k, sequential=sequential, rank=rank,
                          draft_vocab_size=None if draft_vocab is None else draft_vocab.size)
     return head.to(target.dtype).attach_target(target, draft_vocab, fresh=True)

@@ -19,6 +19,8 @@ training-time test and inference with a cache of depth-1 keys/values.
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.draft_vocab import DraftVocab
+from models.errors import DraftheadsError
 from models.layers import rms_norm, rotate_half
 
 
@@ -39,12 +42,64 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rotary(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos, sin [B, 1, N, head_dim] for integer positions [B, N] (Llama 'default' RoPE)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+def rope_type(rope_scaling: dict | None) -> str:
+    """'default', 'llama3', 'yarn', ... of a config's rope_scaling entry (old configs spell the key 'type')."""
+    return (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+
+
+# transformers recomputes these from the current sequence length in its forward: a fixed table cannot match them
+SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def scaled_rope(head_dim: int, theta: float, rope_scaling: dict) -> tuple[Tensor, float]:
+    """(inv_freq [head_dim/2] float32 on the CPU, cos/sin factor) of a scaled RoPE, from transformers' own init
+    function for its type, so a head rotates exactly as its target (Llama 3.1+: 'llama3', factor 8)."""
+    return _scaled_rope(head_dim, float(theta), json.dumps(rope_scaling, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _scaled_rope(head_dim: int, theta: float, rope_scaling_json: str) -> tuple[Tensor, float]:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_scaling = json.loads(rope_scaling_json)
+    kind = rope_type(rope_scaling)
+    if kind not in ROPE_INIT_FUNCTIONS or kind in SEQUENCE_DEPENDENT_ROPE:
+        static = sorted(set(ROPE_INIT_FUNCTIONS) - set(SEQUENCE_DEPENDENT_ROPE))
+        raise DraftheadsError(f"rope_scaling {rope_scaling} has rope_type '{kind}', which a draft head cannot "
+                              f"reproduce; heads support 'default' and {static}")
+    # the context the scaling stretches to (transformers only checks it; the dict carries the pretraining length)
+    original = rope_scaling.get("original_max_position_embeddings")
+    max_pos = 2048 if original is None else int(original * float(rope_scaling.get("factor") or 1.0))
+    config = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, num_key_value_heads=1, head_dim=head_dim,
+                         rope_theta=theta, rope_scaling=dict(rope_scaling), max_position_embeddings=max_pos)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, None)
+    return inv_freq.float(), float(attention_factor)
+
+
+def rotary(positions: Tensor, head_dim: int, theta: float, rope_scaling: dict | None = None) -> tuple[Tensor, Tensor]:
+    """cos, sin [B, 1, N, head_dim] for integer positions [B, N]: Llama's 'default' RoPE, or the target's scaled one
+    when rope_scaling names another type (see scaled_rope)."""
+    if rope_type(rope_scaling) == "default":
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+        factor = 1.0
+    else:
+        inv_freq, factor = scaled_rope(head_dim, theta, rope_scaling)
+        inv_freq = inv_freq.to(positions.device)
     angles = positions.float()[..., None] * inv_freq  # [B, N, hd/2]
     angles = torch.cat([angles, angles], dim=-1)[:, None]
-    return angles.cos(), angles.sin()
+    if factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor  # yarn's attention factor, as transformers applies it
+
+
+def head_rope_scaling(rope_scaling: dict | None, head_dim: int, theta: float) -> dict | None:
+    """The rope_scaling a head records: None for the default RoPE, else a copy (checked: an unsupported type fails
+    when the head is built, not at the first forward)."""
+    if rope_type(rope_scaling) == "default":
+        return None
+    scaled_rope(head_dim, theta, rope_scaling)
+    return dict(rope_scaling)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -140,14 +195,16 @@ class PEagleDrafter(nn.Module):
     def __init__(self, hidden_size: int, num_aux_layers: int, num_layers: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, intermediate_size: int, vocab_size: int, k: int, parallel: bool = True,
                  draft_vocab_size: int | None = None, rms_norm_eps: float = 1e-5, rope_theta: float = 10000.0,
-                 norm_before_residual: bool = False):
+                 norm_before_residual: bool = False, rope_scaling: dict | None = None):
         super().__init__()
+        rope_scaling = head_rope_scaling(rope_scaling, head_dim, rope_theta)
         self.config = dict(hidden_size=hidden_size, num_aux_layers=num_aux_layers, num_layers=num_layers,
                            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            intermediate_size=intermediate_size, vocab_size=vocab_size, k=k, parallel=parallel,
                            draft_vocab_size=draft_vocab_size, rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
-                           norm_before_residual=norm_before_residual)
+                           norm_before_residual=norm_before_residual, rope_scaling=rope_scaling)
         self.k, self.parallel, self.head_dim, self.rope_theta = k, parallel, head_dim, rope_theta
+        self.rope_scaling = rope_scaling
         self.vocab_size = vocab_size
         H = hidden_size
         self.fc = nn.Linear(num_aux_layers * H, H, bias=False)
@@ -206,7 +263,7 @@ class PEagleDrafter(nn.Module):
     # -- core ----------------------------------------------------------------------------------
     def run_layers(self, embeds, hidden, positions, mask, past=None):
         """embeds, hidden [B, N, H] -> prenorm output [B, N, H] and per-layer (k, v) of these N tokens."""
-        cos, sin = rotary(positions, self.head_dim, self.rope_theta)
+        cos, sin = rotary(positions, self.head_dim, self.rope_theta, self.rope_scaling)
         new_kv = []
         for i, layer in enumerate(self.layers):
             hidden, kv = layer(embeds, hidden, cos, sin, mask, None if past is None else past[i])
@@ -360,7 +417,7 @@ class DraftCache:
 
 def peagle_for_target(target, k: int, num_layers: int = 1, parallel: bool = True,
                       draft_vocab: DraftVocab | None = None, norm_before_residual: bool = False) -> PEagleDrafter:
-    """A fresh head sized from the target's config (heads, head dim, MLP width, RoPE theta as the target)."""
+    """A fresh head sized from the target's config (heads, head dim, MLP width, RoPE theta and scaling)."""
     head = PEagleDrafter(**target_layer_sizes(target), num_layers=num_layers, k=k, parallel=parallel,
                          draft_vocab_size=None if draft_vocab is None else draft_vocab.size,
                          norm_before_residual=norm_before_residual)
@@ -369,12 +426,13 @@ def peagle_for_target(target, k: int, num_layers: int = 1, parallel: bool = True
 
 def target_layer_sizes(target) -> dict:
     """Constructor sizes a draft head copies from its target: hidden size, fused layers, heads, head dim, MLP
-    width, vocab, norm eps, RoPE theta."""
+    width, vocab, norm eps, RoPE theta and scaling."""
     c = target.model.config
-    rope = getattr(c, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+    # transformers >= 5: rope_parameters holds theta, type and scaling; 4.x: rope_theta + rope_scaling (or None)
+    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    theta = rope.pop("rope_theta", getattr(c, "rope_theta", 10000.0))
     return dict(hidden_size=c.hidden_size, num_aux_layers=len(target.layer_ids), num_heads=c.num_attention_heads,
                 num_kv_heads=c.num_key_value_heads,
                 head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
                 intermediate_size=c.intermediate_size, vocab_size=target.vocab_size, rms_norm_eps=c.rms_norm_eps,
-                rope_theta=float(theta))
+                rope_theta=float(theta), rope_scaling=None if rope_type(rope) == "default" else rope)

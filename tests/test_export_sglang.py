@@ -1,0 +1,120 @@
+"""SGLang EAGLE-3 export: the layout LlamaForCausalLMEagle3 loads, lossless round trip, and every refusal."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.checkpoint import load_draft, save_draft
+from models.draft_vocab import DraftVocab
+from models.errors import DraftheadsError
+from models.export import export_sglang, import_sglang
+from models.peagle import DraftCache, peagle_for_target
+from models.target import Target, tiny_random_llama
+from tests.test_export import _randomise
+
+LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+         "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+
+
+def _export(target, tmp_path, num_layers=1, vocab=None, **kw):
+    dv = None if vocab is None else DraftVocab(
+        torch.randperm(259, generator=torch.Generator().manual_seed(1))[:vocab].sort().values, 259)
+    head = _randomise(peagle_for_target(target, k=4, num_layers=num_layers, parallel=False, draft_vocab=dv, **kw))
+    save_draft(head, tmp_path / "head", target)
+    return dv
+
+
+@pytest.mark.parametrize("num_layers,vocab", [(1, None), (2, None), (1, 100), (2, 100)])
+def test_round_trip_is_lossless(tiny_target, tmp_path, num_layers, vocab):
+    dv = _export(tiny_target, tmp_path, num_layers, vocab)
+    if num_layers > 1:  # SGLang's additional layers restart the residual stream: the export says so
+        with pytest.warns(UserWarning, match="drop the residual stream"):
+            out = export_sglang(tmp_path / "head", tiny_target, tmp_path / "sgl", verifier_path="/models/tiny")
+    else:
+        out = export_sglang(tmp_path / "head", tiny_target, tmp_path / "sgl", verifier_path="/models/tiny")
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(out / "model.safetensors")
+    H = tiny_target.hidden_size
+
+    assert tiny_target.layer_ids == (1, 3, 5)
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 4], "use_aux_hidden_state": True}
+    assert config["num_hidden_layers"] == num_layers and config["tie_word_embeddings"] is False
+    assert "draft_vocab_size" in config and config["draft_vocab_size"] == vocab  # null = LM head from the target
+    assert "target_hidden_size" not in config and "rope_scaling" not in config  # default RoPE, same width
+    assert config["draftheads"]["k"] == 4 and config["draftheads"]["verifier"] == "/models/tiny"
+
+    want_names = {"fc.weight", "norm.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight"}
+    want_names |= {f"midlayer.{n}" for n in LAYER}
+    for i in range(num_layers - 1):
+        want_names |= {f"additional_layers.{i}.hidden_norm.weight"} | {f"additional_layers.{i}.{n}" for n in LAYER}
+    if vocab:
+        want_names |= {"lm_head.weight", "d2t", "t2d"}
+    assert set(tensors) == want_names  # no embed_tokens, no "model." prefix, no input_layernorm past the midlayer
+    assert tensors["fc.weight"].shape == (H, 3 * H)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * H  # [embeds; hidden]
+    if num_layers > 1:
+        assert tensors["additional_layers.0.self_attn.q_proj.weight"].shape[1] == H
+    if vocab:
+        assert tensors["lm_head.weight"].shape == (vocab, H)
+        assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+        assert torch.equal(torch.arange(vocab) + tensors["d2t"], dv.draft_ids) and int(tensors["t2d"].sum()) == vocab
+
+    back = import_sglang(out, tiny_target)
+    assert back.k == 4 and not back.parallel
+    head = load_draft(tmp_path / "head", tiny_target)
+    sample = lambda lg: lg.argmax()  # noqa: E731
+    for seed, T in ((2, 6), (3, 11), (4, 17)):
+        ids = torch.randint(0, 256, (T,), generator=torch.Generator().manual_seed(seed))
+        aux = tiny_target(ids[None]).aux_hidden[0, :T - 1]
+        want = head.draft_logits(ids, aux, DraftCache(), 4, sample)
+        got = back.draft_logits(ids, aux, DraftCache(), 4, sample)
+        assert got.shape == (4, vocab or 259) and torch.equal(got, want)
+
+
+def test_refuses_parallel_head(tiny_target, tmp_path):
+    save_draft(peagle_for_target(tiny_target, k=3, parallel=True), tmp_path / "p", tiny_target)
+    with pytest.raises(DraftheadsError, match="parallel drafting.*export_speculators for vLLM"):
+        export_sglang(tmp_path / "p", tiny_target, tmp_path / "out")
+
+
+def test_refuses_norm_before_residual(tiny_target, tmp_path):
+    _export(tiny_target, tmp_path, norm_before_residual=True)
+    with pytest.raises(DraftheadsError, match="norm_before_residual=True"):
+        export_sglang(tmp_path / "head", tiny_target, tmp_path / "out")
+
+
+@pytest.mark.parametrize("family", ["medusa", "dspark"])
+def test_refuses_other_families(tiny_target, tmp_path, family):
+    from models.dspark import dspark_for_target
+    from models.medusa import medusa_for_target
+
+    head = medusa_for_target(tiny_target, k=2) if family == "medusa" else dspark_for_target(tiny_target, k=2, rank=8)
+    save_draft(head, tmp_path / "h", tiny_target)
+    with pytest.raises(DraftheadsError, match=f"is a {family} head; SGLang's EAGLE-3 draft holds EAGLE-3 chain"):
+        export_sglang(tmp_path / "h", tiny_target, tmp_path / "out")
+
+
+def test_refuses_embedding_layer_and_other_than_three_layers(tmp_path):
+    model, tok = tiny_random_llama(num_layers=6)
+    reads_embedding = Target(model, tok, "tiny-random-llama", layer_ids=(0, 3, 5))
+    _export(reads_embedding, tmp_path / "a")
+    with pytest.raises(DraftheadsError, match=r"\[0, 3, 5\].*target.layer_ids >= 1"):
+        export_sglang(tmp_path / "a" / "head", reads_embedding, tmp_path / "out")
+
+    model, tok = tiny_random_llama(num_layers=6)
+    four = Target(model, tok, "tiny-random-llama", layer_ids=(1, 2, 3, 5))
+    _export(four, tmp_path / "b")
+    with pytest.raises(DraftheadsError, match="fuses 4 target layers; SGLang's EAGLE-3 fc reads exactly 3"):
+        export_sglang(tmp_path / "b" / "head", four, tmp_path / "out")
+
+
+def test_import_checks_layer_ids(tiny_target, tmp_path):
+    _export(tiny_target, tmp_path)
+    out = export_sglang(tmp_path / "head", tiny_target, tmp_path / "sgl")
+    model, tok = tiny_random_llama(num_layers=6)
+    other = Target(model, tok, "tiny-random-llama", layer_ids=(2, 3, 5))
+    with pytest.raises(DraftheadsError, match=r"reads target layers \[1, 3, 5\] but the target captures \[2, 3, 5\]"):
+        import_sglang(out, other)
