@@ -23,7 +23,9 @@ SGLang (export_sglang; loader python/sglang/srt/models/llama_eagle3.py, LlamaFor
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -262,3 +264,32 @@ def _head_from_llama_config(lc: dict, state: dict, target, k: int, parallel: boo
         state = {n: v for n, v in state.items() if n != "lm_head.weight"}  # full vocabulary: the target's LM head
     head.load_state_dict(state, strict=True)
     return head.to(device=target.device, dtype=target.dtype).attach_target(target).eval().requires_grad_(False)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m models.export", description="export a P-EAGLE / EAGLE-3 head for serving")
+    ap.add_argument("--head", required=True, help="draft checkpoint directory (out_dir/head)")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--format", choices=["speculators", "sglang"], default="speculators",
+                    help="speculators: vLLM (EAGLE-3 and P-EAGLE); sglang: SGLang EAGLE-3 (chain heads)")
+    ap.add_argument("--target-path", default=None, help="target weights (default: the name recorded in the head)")
+    ap.add_argument("--verifier", default=None, help="verifier name or path recorded in the config")
+    args = ap.parse_args(argv)
+    from models.checkpoint import read_draft_config
+    from models.target import load_target
+
+    fp = read_draft_config(args.head)["target"]
+    target = load_target(fp["name"], args.target_path, fp["layer_ids"])
+    export = export_sglang if args.format == "sglang" else export_speculators
+    out = export(args.head, target, args.out, verifier_path=args.verifier)
+    report = {"out": str(out), "format": args.format, "config": json.loads((out / "config.json").read_text())}
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DraftheadsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

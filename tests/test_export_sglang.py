@@ -118,3 +118,14 @@ def test_import_checks_layer_ids(tiny_target, tmp_path):
     other = Target(model, tok, "tiny-random-llama", layer_ids=(2, 3, 5))
     with pytest.raises(DraftheadsError, match=r"reads target layers \[1, 3, 5\] but the target captures \[2, 3, 5\]"):
         import_sglang(out, other)
+
+
+def test_cli_writes_either_layout(tmp_path):
+    from models.export import main
+    from models.target import load_target
+
+    _export(load_target("tiny-random-llama"), tmp_path)  # the CLI loads the target the head names
+    sglang = main(["--head", str(tmp_path / "head"), "--out", str(tmp_path / "sg"), "--format", "sglang"])
+    assert sglang["config"]["architectures"] == ["LlamaForCausalLMEagle3"]
+    vllm = main(["--head", str(tmp_path / "head"), "--out", str(tmp_path / "sp")])
+    assert vllm["config"]["speculators_model_type"] == "eagle3"
