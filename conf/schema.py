@@ -89,6 +89,7 @@ class TrainConfig:
     rl_max_context: int = 256  # RL: context tokens the target re-reads per sequence (keeps the online forward cheap)
     rl_anchors: int = 16  # RL: draft blocks per sequence and step, all scored in the sequence's one target forward
     rl_temperature: Optional[float] = None  # RL: serving temperature to optimise; None = the schedule's; 0 = greedy
+    rl_surrogate_temperature: float = 1.0  # RL at rl_temperature=0: the head's softmax T inside alpha (< 1 sharpens)
     checkpoint_every: int = 50
     holdout_sequences: int = 0  # feature sequences held out (from the end) for validation; 0 = none
     eval_every: int = 100  # stage 1: validate every N steps; the head with the lowest validation loss is kept

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from inference.llama import LlamaForward
 from models.dspark import dspark_for_target
 from models.peagle import DraftCache, peagle_for_target
-from train.rl import block_batch, block_log_probs, block_plan, pick_anchors, score_blocks
+from train.rl import block_batch, block_logits, block_plan, pick_anchors, score_blocks
 
 K = 4
 
@@ -46,7 +46,7 @@ def test_block_training_logits_equal_inference(tiny_target, family):
         peagle_for_target(tiny_target, k=K, num_layers=2, parallel=family == "parallel")
     items, contexts, anchors, valid, y = blocks(tiny_target)
     batch, plan = block_batch(items, contexts, anchors, valid, y)
-    got = block_log_probs(head, head(batch, plan), anchors, valid, K, 1.0)  # [N, K, V], (b, m) order
+    got = F.log_softmax(block_logits(head, head(batch, plan), anchors, valid, K), -1)  # [N, K, V], (b, m) order
     n = 0
     for b in range(2):
         for m in range(3):

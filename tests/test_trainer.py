@@ -244,6 +244,23 @@ def test_two_stage_run_and_rl_resume(peaked_target, tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
 
 
+def test_rl_logs_held_out_tau_before_and_after(peaked_target, tmp_path):
+    """RL validates on the held-out split at step 0 and at the end (no best-keeping: its objective is not val_loss);
+    greedy serving (rl_temperature=0) with a sharpened surrogate runs and reports the exact greedy reward."""
+    from train.trainer import train_draft
+
+    feats = tiny_features(peaked_target, n=10)
+    cfg = make_cfg(tmp_path, steps=6, rl_steps=4, rl_lr=1e-3, stages=["soft_label", "rl"], rl_max_context=30,
+                   holdout_sequences=2, eval_every=100, rl_temperature=0.0, rl_surrogate_temperature=0.25)
+    train_draft(cfg, peaked_target, feats, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in rows if r["stage"] == "rl" and "val_tau_est" in r]
+    assert [r["step"] for r in val] == [0, 4] and all(1.0 <= r["val_tau_est"] <= 4.0 for r in val)
+    first_rl = next(r for r in rows if r["stage"] == "rl" and "reward" in r)
+    assert first_rl["serve_temperature"] == 0.0 and 0 <= first_rl["reward"] <= 3
+    assert not (tmp_path / "checkpoints_rl" / "best").exists()
+
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 DRAFTS = sorted(p.stem for p in (CONF / "draft").glob("*.yaml"))
 TRAINS = sorted(p.stem for p in (CONF / "train").glob("*.yaml"))

@@ -13,9 +13,10 @@ One step, for B sequences of the feature set:
         baseline = mean R of the other blocks of the step (stateless, so resume stays exact)
       - rl_kl_weight * KL(q_stage1 || q)  (anchor to the stage-1 head).
 The temperature is the schedule's (as in stage 1) unless train.rl_temperature fixes the serving temperature. At 0
-(greedy serving) blocks are the head's argmax, p is one-hot at the target's argmax, so alpha_k = q_k(target argmax)
-at the head's own temperature 1 and E[accepted] is the expected greedy acceptance length; there is no REINFORCE term
-(the blocks are not samples of q).
+(greedy serving) blocks are the head's argmax and p is one-hot at the target's argmax, so alpha_k = q_k(target argmax)
+with q at train.rl_surrogate_temperature: 1 is the head's own distribution; below 1 alpha approaches the 0/1 greedy
+acceptance and its gradient concentrates on near misses (the target's token just below the head's argmax), the
+cases one step can flip. There is no REINFORCE term at 0 (the blocks are not samples of q); the KL anchor stays at T=1.
 """
 
 from __future__ import annotations
@@ -171,11 +172,13 @@ def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
 
         # 4. the head's q with gradients, on the sampled tokens
         batch, plan = block_batch(items, contexts, anchors.to(device), valid.to(device), y)
-        q_t = serve_t if serve_t > 0 else 1.0  # greedy serving: the head's own distribution
-        log_q = block_log_probs(core, head(batch, plan), anchors.to(device), valid.to(device), k, q_t)  # [N, K, V]
+        q_t = serve_t if serve_t > 0 else 1.0  # greedy serving: the head's own distribution (KL, REINFORCE)
+        logits = block_logits(core, head(batch, plan), anchors.to(device), valid.to(device), k)  # [N, K, V]
+        log_q = F.log_softmax(logits / q_t, -1)
         q = log_q.exp()
+        q_alpha = q if serve_t > 0 else F.softmax(logits / tc.rl_surrogate_temperature, -1)
         yv = y[valid.to(device)]  # [N, K]
-        alpha = torch.minimum(p, q).sum(-1)  # [N, K]
+        alpha = torch.minimum(p, q_alpha).sum(-1)  # [N, K]
         expected = expected_accepted(alpha)
         q_tok = q.gather(-1, yv[..., None]).squeeze(-1)
         p_tok = p.gather(-1, yv[..., None]).squeeze(-1)
@@ -189,8 +192,8 @@ def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
             loss = loss + tc.rl_pg_weight * (-((reward - baseline)[:, None] * logq_tok * decided).sum(1)).mean()
         if tc.rl_kl_weight > 0:
             with torch.no_grad():
-                ref_logp = block_log_probs(reference, reference(batch, plan), anchors.to(device), valid.to(device),
-                                            k, q_t)
+                ref_logits = block_logits(reference, reference(batch, plan), anchors.to(device), valid.to(device), k)
+                ref_logp = F.log_softmax(ref_logits / q_t, -1)
             ref_p = ref_logp.exp()  # 0 outside a draft vocabulary, where both log-probs are -inf
             kl = torch.where(ref_p > 0, ref_p * (ref_logp - log_q), torch.zeros_like(ref_p)).sum(-1)  # [N, K]
             loss = loss + tc.rl_kl_weight * kl.mean()
@@ -228,19 +231,21 @@ def block_batch(items: list[dict], contexts: list[Tensor], anchors: Tensor, vali
     return batch, plan
 
 
-def block_log_probs(core, out, anchors: Tensor, valid: Tensor, k: int, temperature: float) -> Tensor:
-    """The head's log q [N, K, V] per valid block (row-major (b, m) order) from train_forward's rows."""
+def block_logits(core, out, anchors: Tensor, valid: Tensor, k: int) -> Tensor:
+    """The head's full-vocabulary logits [N, K, V] per valid block (row-major (b, m) order) from train_forward's rows."""
     M = anchors.shape[1]
     m = (anchors[out.batch_index] < out.anchor[:, None]).sum(1)  # first column of the row's anchor
     order = ((out.batch_index * M + m) * k + out.depth - 1).argsort()
     logits = core.full_vocab_logits(core.logits_for(out.hidden, out.depth).float())[order]
     if logits.shape[0] != int(valid.sum()) * k:
         raise DraftheadsError(f"RL plan gave {logits.shape[0]} draft rows for {int(valid.sum())} blocks of {k}")
-    return F.log_softmax(logits.view(-1, k, logits.shape[-1]) / temperature, -1)
+    return logits.view(-1, k, logits.shape[-1])
 
 
-def train_rl(cfg, head, target, dataset, out: Path, metrics_path: Path, wandb_run=None, stop_at_step=None):
-    """Stage 2 from `head` (the stage-1 result); returns (head, last metrics), or (None, ...) on a simulated kill."""
+def train_rl(cfg, head, target, dataset, out: Path, metrics_path: Path, wandb_run=None, stop_at_step=None,
+             validate=None):
+    """Stage 2 from `head` (the stage-1 result); returns (head, last metrics), or (None, ...) on a simulated kill.
+    validate: the held-out metrics (val_tau_est), logged at step 0, every train.eval_every steps and at the end."""
     tc = cfg.train
     if not cfg.train.rl_steps:
         return head, {}
@@ -251,7 +256,8 @@ def train_rl(cfg, head, target, dataset, out: Path, metrics_path: Path, wandb_ru
                        mixed_precision=tc.mixed_precision, ckpt_root=out / "checkpoints_rl",
                        checkpoint_every=tc.checkpoint_every, log_every=tc.log_every, metrics_path=metrics_path,
                        stage="rl", temperature_cfg=tc.temperature, resume=tc.resume, cpu=target.device.type == "cpu",
-                       wandb_run=wandb_run, stop_at_step=stop_at_step)
+                       wandb_run=wandb_run, stop_at_step=stop_at_step, validate=validate, eval_every=tc.eval_every,
+                       keep_best=False)
     if stop_at_step is not None and stop_at_step < tc.rl_steps:
         return None, metrics
     return head, metrics

@@ -126,11 +126,12 @@ def run_loop(model, step_fn: Callable[[int, float], tuple[Tensor, dict]], *, ste
              weight_decay: float, max_grad_norm: float, grad_accum: int, mixed_precision: str, ckpt_root: Path,
              checkpoint_every: int, log_every: int, metrics_path: Path, stage: str, temperature_cfg, resume: bool,
              cpu: bool, wandb_run=None, stop_at_step: int | None = None, keep_checkpoints: int = 2,
-             validate: Callable[[], dict] | None = None, eval_every: int = 0) -> dict:
+             validate: Callable[[], dict] | None = None, eval_every: int = 0, keep_best: bool = True) -> dict:
     """Optimise `model` for `steps` optimizer steps; returns the last logged metrics.
 
     With `validate` (() -> {"val_loss": ..., ...}), every `eval_every` steps and at the end the metrics are logged and
-    the weights with the lowest val_loss are kept in ckpt_root/best (early stopping); they are loaded back at the end.
+    (keep_best) the weights with the lowest val_loss are kept in ckpt_root/best (early stopping) and loaded back at the
+    end. keep_best=False (RL, whose objective is not val_loss) only logs, step 0 included, so before/after sit side by side.
     """
     from accelerate import Accelerator
     from tqdm import tqdm
@@ -148,6 +149,8 @@ def run_loop(model, step_fn: Callable[[int, float], tuple[Tensor, dict]], *, ste
         step = json.loads((last / "trainer_state.json").read_text())["step"]
         print(f"[draftheads] {stage}: resumed from {last} (step {step})")
     _truncate_metrics(metrics_path, stage, step)
+    if validate is not None and not keep_best and step == 0:
+        _validate(accelerator.unwrap_model(model), validate, 0, stage, None, metrics_path, wandb_run)
     t_steps = temperature_cfg.steps or steps
     bar = tqdm(total=steps, initial=step, desc=stage, disable=not accelerator.is_main_process)
     logged: dict = {}
@@ -187,13 +190,14 @@ def run_loop(model, step_fn: Callable[[int, float], tuple[Tensor, dict]], *, ste
             bar.set_postfix(loss=logged["loss"])
             window = {"loss": 0.0, "tokens": 0, "n": 0, "acc": {}, "t0": time.perf_counter()}
         if validate is not None and (step % eval_every == 0 or step == steps):
-            _validate(accelerator.unwrap_model(model), validate, step, stage, ckpt_root / "best", metrics_path, wandb_run)
+            _validate(accelerator.unwrap_model(model), validate, step, stage, ckpt_root / "best" if keep_best else None,
+                      metrics_path, wandb_run)
         if step % checkpoint_every == 0 or step == steps:
             _save_checkpoint(accelerator, ckpt_root, step, keep_checkpoints)
         if stop_at_step is not None and step >= stop_at_step:  # tests: simulate a kill after this step
             break
     bar.close()
-    if validate is not None and step >= steps and (ckpt_root / "best" / "best.json").is_file():
+    if validate is not None and keep_best and step >= steps and (ckpt_root / "best" / "best.json").is_file():
         best = json.loads((ckpt_root / "best" / "best.json").read_text())
         accelerator.unwrap_model(model).load_state_dict(load_file(ckpt_root / "best" / "model.safetensors"))
         print(f"[draftheads] {stage}: kept the step-{best['step']} weights (lowest val_loss {best['val_loss']:.4f})")
@@ -201,7 +205,7 @@ def run_loop(model, step_fn: Callable[[int, float], tuple[Tensor, dict]], *, ste
     return logged
 
 
-def _validate(model, validate, step: int, stage: str, best_dir: Path, metrics_path: Path, wandb_run) -> None:
+def _validate(model, validate, step: int, stage: str, best_dir: Path | None, metrics_path: Path, wandb_run) -> None:
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -211,6 +215,8 @@ def _validate(model, validate, step: int, stage: str, best_dir: Path, metrics_pa
         f.write(json.dumps({"stage": stage, "step": step, **metrics}) + "\n")
     if wandb_run is not None:
         wandb_run.log(metrics, step=step)
+    if best_dir is None:
+        return
     best_file = best_dir / "best.json"
     best = json.loads(best_file.read_text()) if best_file.is_file() else None
     if best is None or metrics["val_loss"] < best["val_loss"]:
@@ -413,7 +419,9 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None)
             if not dc.init_from:
                 raise DraftheadsError("train.stages=[rl] needs draft.init_from=DIR (a stage-1 head) to start from")
             head = _trainable(load_draft(dc.init_from, target))
-        head, metrics = train_rl(cfg, head, target, dataset, out, metrics_path, wandb_run, stop_at_step)
+        validate = None if holdout is None else validation_fn(  # teacher-forced greedy agreement: val_tau_est
+            lambda data: soft_label_step_fn(head, target, data, tc, dc.k, target.device), holdout, tc.batch_size, dc.k)
+        head, metrics = train_rl(cfg, head, target, dataset, out, metrics_path, wandb_run, stop_at_step, validate)
         if head is None:
             return out
 
