@@ -168,7 +168,7 @@ def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
         # 3. the frozen target scores each sequence's context + blocks in one forward
         contexts = [it["input_ids"][: max(a) + 2].to(device) for it, a in zip(items, anchor_lists)]
         p_logits = score_blocks(scorer, contexts, anchors.to(device), y)[valid.to(device)]  # [N, K, V]
-        p = sampling.probs(p_logits / (serve_t if serve_t > 0 else 1.0)) if serve_t > 0 else sampling.probs(p_logits)
+        p = sampling.probs(p_logits)  # the target's distribution at the serving temperature (one-hot at 0)
 
         # 4. the head's q with gradients, on the sampled tokens
         batch, plan = block_batch(items, contexts, anchors.to(device), valid.to(device), y)
