@@ -39,7 +39,9 @@ def _read_done(path: Path) -> dict[int, dict]:
     if not path.exists():
         return done
     good = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8").split("\n"):  # not splitlines(): text may hold U+2028, U+0085
+        if not line.strip():
+            continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:

@@ -42,7 +42,7 @@ def load_prompts(path: str | Path, categories: list[str] | None = None, limit: i
         raise DraftheadsError(f"prompt file '{path}' does not exist; pass --prompts FILE.jsonl "
                               "(e.g. ../shared/bench/spec_bench_dev.jsonl)")
     prompts = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):  # JSON text may hold U+2028
         if not line.strip():
             continue
         try:

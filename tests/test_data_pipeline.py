@@ -30,6 +30,18 @@ def test_regeneration_is_deterministic_and_resumes(tiny_target, tmp_path):
     assert rec["conversation"][1]["content"] != "old answer"
 
 
+def test_resume_keeps_records_with_unicode_line_separators(tmp_path):
+    """U+2028 / U+0085 inside a regenerated answer are raw in the JSONL (ensure_ascii=False); a resume that split on
+    them dropped the record and rewrote the file without it (one of 3135 SmolLM2 records was lost that way)."""
+    from data.regenerate import _read_done
+
+    path = tmp_path / "r.jsonl"
+    recs = [{"id": i, "conversation": [{"role": "assistant", "content": f"a\u2028b\x85c {i}"}]} for i in range(3)]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
+    before = path.read_text(encoding="utf-8")
+    assert sorted(_read_done(path)) == [0, 1, 2] and path.read_text(encoding="utf-8") == before
+
+
 def test_long_prompts_are_skipped_and_counted(tiny_target, tmp_path):
     report = regenerate(tiny_target, CONVS, tmp_path / "r.jsonl", max_new=4, max_prompt_tokens=60)
     assert report["skipped_long_prompt"] > 0 and report["records"] + report["skipped_long_prompt"] == 10
