@@ -9,6 +9,7 @@ The manifest is rewritten after every shard, so a killed run resumes after the l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -52,6 +53,12 @@ def extract_features(
         manifest = {"fingerprint": target.fingerprint, "layer_ids": list(target.layer_ids), "dtype": "bfloat16",
                     "shards": [], "sequences_done": 0, "complete": False}
     start = manifest["sequences_done"]
+    digest = _sequences_digest(sequences[:start])
+    recorded = manifest["shards"][-1].get("sha256") if manifest["shards"] else None  # older manifests: none
+    if len(sequences) < start or recorded not in (None, digest.hexdigest()):
+        raise DraftheadsError(f"feature directory '{out}' holds features of {start} sequences that are not the first "
+                              f"{start} of the {len(sequences)} the data stage gives now (data.* settings or the "
+                              "regenerated text changed); delete it or use a new output_dir")
     buffer: list[dict] = []
     buffered_tokens, new_tokens, t0 = 0, 0, time.perf_counter()
     todo = sequences[start:]
@@ -71,7 +78,9 @@ def extract_features(
             new_tokens += len(seq[0])
             bar.update(len(seq[0]))
         if buffered_tokens >= shard_tokens or i == len(todo):
-            _write_shard(out, manifest, buffer)
+            for b in buffer:
+                _digest_update(digest, b["input_ids"], b["loss_mask"])
+            _write_shard(out, manifest, buffer, digest.hexdigest())
             buffer, buffered_tokens = [], 0
             _write_json_atomic(mpath, manifest)
     bar.close()
@@ -83,6 +92,18 @@ def extract_features(
     return {"sequences": manifest["sequences_done"], "tokens": total_tokens, "new_tokens": new_tokens,
             "seconds": round(elapsed, 2), "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1),
             "bytes": total_bytes, "bytes_per_token": round(total_bytes / max(total_tokens, 1), 1)}
+
+
+def _sequences_digest(sequences) -> "hashlib._Hash":
+    """SHA-256 over token ids and loss masks, in order: what the manifest's features were extracted from."""
+    digest = hashlib.sha256()
+    for ids, mask in sequences:
+        _digest_update(digest, ids, mask)
+    return digest
+
+
+def _digest_update(digest, ids: Tensor, mask: Tensor) -> None:
+    digest.update(ids.to(torch.int64).numpy().tobytes() + mask.to(torch.uint8).numpy().tobytes())
 
 
 def _feature_forward(target: Target):
@@ -111,7 +132,8 @@ def _run_batch(forward, seqs: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
             for r, s in enumerate(seqs)]
 
 
-def _write_shard(out: Path, manifest: dict, buffer: list[dict]) -> None:
+def _write_shard(out: Path, manifest: dict, buffer: list[dict], sha256: str) -> None:
+    """sha256: digest of every sequence up to this shard's last (resume checks the data is the same)."""
     if not buffer:
         return
     lengths = torch.tensor([len(b["input_ids"]) for b in buffer])
@@ -125,7 +147,7 @@ def _write_shard(out: Path, manifest: dict, buffer: list[dict]) -> None:
     name = f"shard_{len(manifest['shards']):05d}.safetensors"
     save_file(tensors, str(out / (name + ".tmp")))
     os.replace(out / (name + ".tmp"), out / name)
-    manifest["shards"].append({"file": name, "sequences": len(buffer), "tokens": int(lengths.sum())})
+    manifest["shards"].append({"file": name, "sequences": len(buffer), "tokens": int(lengths.sum()), "sha256": sha256})
     manifest["sequences_done"] += len(buffer)
 
 

@@ -85,3 +85,15 @@ def test_features_of_another_target_are_refused(tiny_target, tmp_path):
     other = Target(model, tok, "other-tiny")
     with pytest.raises(DraftheadsError, match="built for target 'tiny-random-llama'.*hidden_size"):
         extract_features(other, _sequences(tok, 2), tmp_path / "f")
+
+
+def test_features_of_other_sequences_are_refused(tiny_target, tmp_path):
+    """Resume is by count; the manifest's digest makes changed data (other records, other data.* settings) an error
+    instead of features silently paired with the wrong sequences. A longer list with the same prefix extends."""
+    seqs = _sequences(tiny_target.tokenizer, 4)
+    extract_features(tiny_target, seqs[:3], tmp_path / "f", shard_tokens=150)
+    assert extract_features(tiny_target, seqs, tmp_path / "f", shard_tokens=150)["sequences"] == 4
+    with pytest.raises(DraftheadsError, match="not the first 4 of the 4.*delete it or use a new output_dir"):
+        extract_features(tiny_target, seqs[1:] + seqs[:1], tmp_path / "f")
+    with pytest.raises(DraftheadsError, match="not the first 4 of the 2"):
+        extract_features(tiny_target, seqs[:2], tmp_path / "f")
