@@ -1,9 +1,9 @@
 """Regeneration: assistant turns re-written by the target, so the draft imitates the deployed model.
 
 Decoding runs on the project's own runtime (inference/runtime.py: static KV cache, right-padded batches, plain
-decoding, Llama-style targets) in `dtype`, bfloat16 by default: 263 vs 121 tok/s for HF `generate` in float32 on
-SmolLM2, batch 16, 2 CPU threads. The text is what the target deployed in that dtype writes; greedy bf16 and fp32
-continuations can part after a few dozen tokens.
+decoding, Llama-style targets) in `dtype`, bfloat16 by default: 270 vs 112 tok/s for HF `generate` in float32 on
+SmolLM2, batch 16, 2 CPU threads (eval/regen_bench.py). The text is what the target deployed in that dtype writes;
+greedy bf16 and fp32 continuations can part after a few dozen tokens.
 
 Batched (prompts sorted by length to cut padding), seeded per batch, written to JSONL as each batch finishes and
 resumed by skipping batches already on disk — a killed run loses at most one batch and, since batches are formed
