@@ -54,6 +54,15 @@ def save_draft(head, out_dir, target, resolved_config: str | None = None, metric
     return out
 
 
+def target_for_head(directory, target_path: str | None = None):
+    """The target a draft checkpoint was trained for (its recorded name and feature layers); target_path overrides
+    where the weights come from."""
+    from models.target import load_target
+
+    fp = read_draft_config(directory)["target"]
+    return load_target(fp["name"], target_path, fp["layer_ids"])
+
+
 def read_draft_config(directory) -> dict:
     d = Path(directory)
     if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():

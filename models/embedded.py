@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
 from models.checkpoint import CHECKED_KEYS, FAMILIES, head_from_state
-from models.errors import DraftheadsError
+from models.errors import DraftheadsError, exit_on_error
 
 PREFIX = "draft."
 CONFIG_KEY = "draft_head"
@@ -125,11 +124,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True, help="output model directory (target + draft.* tensors)")
     ap.add_argument("--target-path", default=None, help="target weights (default: the name recorded in the head)")
     args = ap.parse_args(argv)
-    from models.checkpoint import load_draft, read_draft_config
-    from models.target import load_target, resolve_target_dir
+    from models.checkpoint import load_draft, read_draft_config, target_for_head
+    from models.target import resolve_target_dir
 
     fp = read_draft_config(args.head)["target"]
-    target = load_target(fp["name"], args.target_path, fp["layer_ids"])
+    target = target_for_head(args.head, args.target_path)
     head = load_draft(args.head, target)
     source = resolve_target_dir(fp["name"], args.target_path) if fp["name"] != "tiny-random-llama" else target
     out = embed_draft(source, head, args.out, fp["layer_ids"], fp["name"])
@@ -142,8 +141,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DraftheadsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exit_on_error(main)

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import warnings
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
 from models.checkpoint import load_draft
-from models.errors import DraftheadsError
+from models.errors import DraftheadsError, exit_on_error
 from models.peagle import PEagleDrafter
 
 SPECULATORS_VERSION = "0.3.0"
@@ -275,11 +274,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--target-path", default=None, help="target weights (default: the name recorded in the head)")
     ap.add_argument("--verifier", default=None, help="verifier name or path recorded in the config")
     args = ap.parse_args(argv)
-    from models.checkpoint import read_draft_config
-    from models.target import load_target
+    from models.checkpoint import target_for_head
 
-    fp = read_draft_config(args.head)["target"]
-    target = load_target(fp["name"], args.target_path, fp["layer_ids"])
+    target = target_for_head(args.head, args.target_path)
     export = export_sglang if args.format == "sglang" else export_speculators
     out = export(args.head, target, args.out, verifier_path=args.verifier)
     report = {"out": str(out), "format": args.format, "config": json.loads((out / "config.json").read_text())}
@@ -288,8 +285,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DraftheadsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exit_on_error(main)

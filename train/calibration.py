@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from torch import Tensor
 
 from inference.sampling import SamplingConfig
 from train.cod import anchor_plan
-from models.errors import DraftheadsError
+from models.errors import DraftheadsError, exit_on_error
 
 BINS = 15
 GRID = torch.logspace(-1.3, 1.3, 81)  # tau from 0.05 to 20; index 40 is exactly 1
@@ -112,13 +111,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from models.checkpoint import load_draft, read_draft_config, save_draft
-    from models.target import load_target
+    from models.checkpoint import load_draft, save_draft, target_for_head
     from train.trainer import open_features, split_holdout
 
-    config = read_draft_config(args.head)
-    fp = config["target"]
-    target = load_target(fp["name"], args.target_path, fp["layer_ids"])
+    target = target_for_head(args.head, args.target_path)
     head = load_draft(args.head, target)
     features = open_features(args.features, target)
     if args.holdout:
@@ -134,8 +130,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DraftheadsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exit_on_error(main)
