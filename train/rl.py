@@ -140,8 +140,8 @@ def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
             items.append(item)
             anchor_lists.append(picked)
         B, M = len(items), max(len(a) for a in anchor_lists)
-        anchors = torch.tensor([a + [a[-1]] * (M - len(a)) for a in anchor_lists])  # [B, M], padding repeats
-        valid = torch.tensor([[m < len(a) for m in range(M)] for a in anchor_lists])
+        anchors = torch.tensor([a + [a[-1]] * (M - len(a)) for a in anchor_lists], device=device)  # padding repeats
+        valid = torch.tensor([[m < len(a) for m in range(M)] for a in anchor_lists], device=device)  # [B, M]
 
         # 1-2. on-policy blocks (no grad): y [B, M, K]
         sampling = SamplingConfig(temperature=serve_t)  # the runtime's one sampler (argmax at 0)
@@ -167,17 +167,17 @@ def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
 
         # 3. the frozen target scores each sequence's context + blocks in one forward
         contexts = [it["input_ids"][: max(a) + 2].to(device) for it, a in zip(items, anchor_lists)]
-        p_logits = score_blocks(scorer, contexts, anchors.to(device), y)[valid.to(device)]  # [N, K, V]
+        p_logits = score_blocks(scorer, contexts, anchors, y)[valid]  # [N, K, V]
         p = sampling.probs(p_logits)  # the target's distribution at the serving temperature (one-hot at 0)
 
         # 4. the head's q with gradients, on the sampled tokens
-        batch, plan = block_batch(items, contexts, anchors.to(device), valid.to(device), y)
+        batch, plan = block_batch(items, contexts, anchors, valid, y)
         q_t = serve_t if serve_t > 0 else 1.0  # greedy serving: the head's own distribution (KL, REINFORCE)
-        logits = block_logits(core, head(batch, plan), anchors.to(device), valid.to(device), k)  # [N, K, V]
+        logits = block_logits(core, head(batch, plan), anchors, valid, k)  # [N, K, V]
         log_q = F.log_softmax(logits / q_t, -1)
         q = log_q.exp()
         q_alpha = q if serve_t > 0 else F.softmax(logits / tc.rl_surrogate_temperature, -1)
-        yv = y[valid.to(device)]  # [N, K]
+        yv = y[valid]  # [N, K]
         alpha = torch.minimum(p, q_alpha).sum(-1)  # [N, K]
         expected = expected_accepted(alpha)
         q_tok = q.gather(-1, yv[..., None]).squeeze(-1)
@@ -192,7 +192,7 @@ def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
             loss = loss + tc.rl_pg_weight * (-((reward - baseline)[:, None] * logq_tok * decided).sum(1)).mean()
         if tc.rl_kl_weight > 0:
             with torch.no_grad():
-                ref_logits = block_logits(reference, reference(batch, plan), anchors.to(device), valid.to(device), k)
+                ref_logits = block_logits(reference, reference(batch, plan), anchors, valid, k)
                 ref_logp = F.log_softmax(ref_logits / q_t, -1)
             ref_p = ref_logp.exp()  # 0 outside a draft vocabulary, where both log-probs are -inf
             kl = torch.where(ref_p > 0, ref_p * (ref_logp - log_q), torch.zeros_like(ref_p)).sum(-1)  # [N, K]
