@@ -7,6 +7,9 @@ Multi-turn prompts are answered turn by turn: turn 2 follows the target's own tu
 rendered with the target's chat template and the generation prompt. Reported per category and overall:
 tau (tokens emitted per verification forward, bonus included), acceptance[j] = P(position j accepted |
 position j-1 accepted) over rounds where position j was drafted and verified, mean draft length per round.
+Chains run through the reference loop (inference/generate.py); token trees (e.g. head:DIR,tree=1) through the tree
+runtime (inference/runtime.py, batch 1), where position j is tree depth j and --k is the node budget.
+`--engine runtime` sends chains there too, for like-for-like rows.
 Writes JSON + a Markdown table (.md next to it), prints the table, then ONE JSON line.
 """
 
@@ -127,11 +130,33 @@ class Tally:
         }
 
 
+def runtime_generate(runtime, source, ids: list[int], max_new: int, k: int, sampling: SamplingConfig,
+                     seed: int) -> SpecResult:
+    """One request through the tree runtime, tallied like the reference loop (position j = tree depth j)."""
+    gen = runtime.generate([ids], max_new, source, sampling=sampling, k=k, seed=seed)
+    stats = gen.stats
+    return SpecResult(tokens=gen.tokens[0], n_verify=stats.rounds, k=k, draft_lengths=[stats.proposed],
+                      tested=torch.tensor([stats.tested[j] for j in range(k)]),
+                      accepted=torch.tensor([stats.accepted[j] for j in range(k)]),
+                      draft_time=stats.draft_s, verify_time=stats.verify_s, prefill_time=stats.prefill_s)
+
+
+def resolve_engine(engine: str, source) -> str:
+    """'auto' -> 'runtime' for sources that draft token trees, else 'reference'."""
+    return engine if engine != "auto" else "runtime" if getattr(source, "tree", False) else "reference"
+
+
 def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfig, max_new: int, seed: int = 0,
-            progress: bool = True, save_tokens: bool = False) -> dict[str, Tally]:
-    """Run every prompt (all its turns) -> {category: Tally}; save_tokens keeps each turn's output ids."""
+            progress: bool = True, save_tokens: bool = False, engine: str = "auto") -> dict[str, Tally]:
+    """Run every prompt (all its turns) -> {category: Tally}; save_tokens keeps each turn's output ids.
+    engine: 'reference' (chains only), 'runtime', or 'auto' (see resolve_engine)."""
     from tqdm import tqdm
 
+    runtime = None
+    if resolve_engine(engine, source) == "runtime":
+        from inference.runtime import Runtime
+
+        runtime = Runtime(target, max_len=4096, batch_size=1)
     tallies: dict[str, Tally] = {}
     for i, prompt in enumerate(tqdm(prompts, desc=f"acceptance {source.name} k={k}", disable=not progress,
                                     file=sys.stderr, dynamic_ncols=True)):
@@ -141,7 +166,9 @@ def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfi
         for turn, user in enumerate(prompt["turns"]):
             messages.append({"role": "user", "content": user})
             ids = prompt_ids(target.tokenizer, messages)  # chat template + generation prompt
-            res = speculative_generate(target, source, ids, max_new, k, sampling, seed=seed + 1000 * i + turn)
+            turn_seed = seed + 1000 * i + turn
+            res = speculative_generate(target, source, ids, max_new, k, sampling, seed=turn_seed) if runtime is None \
+                else runtime_generate(runtime, source, ids, max_new, k, sampling, turn_seed)
             about = {"question_id": prompt.get("question_id", i), "category": prompt["category"], "turn": turn}
             tally.add(res, **about, **({"output_ids": res.tokens} if save_tokens else {}))
             answer = target.tokenizer.decode(res.tokens, skip_special_tokens=True)
@@ -168,6 +195,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--save-tokens", action="store_true", help="keep every turn's output token ids in the JSON")
+    ap.add_argument("--engine", choices=("auto", "reference", "runtime"), default="auto",
+                    help="auto: the reference loop for chains, the tree runtime for tree sources")
     return ap.parse_args(argv)
 
 
@@ -184,7 +213,7 @@ def run(args: argparse.Namespace) -> dict:
     target = load_target(args.target, path=args.target_path, layer_ids=source_layer_ids(args.source), dtype=args.dtype)
     source = build_source(args.source, target)
     tallies = measure(target, source, prompts, args.k, sampling, args.max_new, args.seed, not args.no_progress,
-                      args.save_tokens)
+                      args.save_tokens, args.engine)
 
     overall = Tally(args.k)
     for tally in tallies.values():
@@ -199,6 +228,7 @@ def run(args: argparse.Namespace) -> dict:
         "k": args.k,
         "max_new": args.max_new,
         "seed": args.seed,
+        "engine": resolve_engine(args.engine, source),
         "target": target.fingerprint,
         "overall": overall.summary(),
         "categories": {name: t.summary() for name, t in tallies.items()},

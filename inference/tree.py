@@ -15,6 +15,8 @@ argmax; the token after the path is the argmax there, bit-identical to plain gre
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 from torch import Tensor
 
@@ -105,3 +107,34 @@ def accept_tree(
         path.append(accepted)
         row = accepted + 1
 
+
+
+def best_first_tree(logp: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """The n highest-scoring nodes of the tree whose depth-d children are every token of logp[d-1] [D, V], a node's
+    score being the sum of logp along its path (the log path probability when positions are independent, as in
+    parallel / Medusa heads) -> (tokens [m], parents [m]), m <= n, parents before children, best first.
+
+    Lazy best-first enumeration: popping a node pushes its next-ranked sibling and its best child, both scored no
+    higher than it, so nodes leave the heap in non-increasing score and every parent before its children."""
+    D = logp.shape[0]
+    width = min(n, logp.shape[-1])
+    values, tokens = logp.float().topk(width, -1)  # [D, width], ranked per depth
+    values, tokens = values.tolist(), tokens.tolist()
+    heap = [(-values[0][0], 0, 0, 0, -1, 0.0)]  # (-score, tie-break, depth index, rank, parent node, parent score)
+    out_tokens: list[int] = []
+    out_parents: list[int] = []
+    pushed = 1
+    while heap and len(out_tokens) < n:
+        neg, _, d, r, parent, parent_score = heapq.heappop(heap)
+        if neg == float("inf"):  # -inf logp: outside a draft vocabulary, and so is everything after it
+            break
+        node, score = len(out_tokens), -neg
+        out_tokens.append(tokens[d][r])
+        out_parents.append(parent)
+        if r + 1 < width:
+            heapq.heappush(heap, (-(parent_score + values[d][r + 1]), pushed, d, r + 1, parent, parent_score))
+            pushed += 1
+        if d + 1 < D:
+            heapq.heappush(heap, (-(score + values[d + 1][0]), pushed, d + 1, 0, node, score))
+            pushed += 1
+    return torch.tensor(out_tokens, dtype=torch.long), torch.tensor(out_parents, dtype=torch.long)

@@ -107,3 +107,26 @@ def test_categories_alias_and_round_robin_limit(tmp_path):
 def test_markdown_table_formats_cells():
     table = markdown_table([{"a": 1, "b": 0.12345, "c": None}, {"a": "x|y", "b": 2.0}], ["a", "b", "c"])
     assert table.splitlines() == ["| a | b | c |", "|---|---|---|", "| 1 | 0.123 | - |", "| x\\|y | 2.000 | - |"]
+
+
+def test_tree_sources_run_through_the_runtime(prompt_file, tmp_path):
+    """A tree head goes through the tree runtime (auto); --engine runtime gives the reference loop's greedy text."""
+    import torch
+
+    from models.checkpoint import save_draft
+    from models.peagle import peagle_for_target
+    from models.target import load_target
+
+    target = load_target("tiny-random-llama")
+    torch.manual_seed(0)
+    save_draft(peagle_for_target(target, k=3), tmp_path / "head", target)
+    outs = {}
+    for name, extra in {"ref": (), "rt": ("--engine", "runtime"),
+                        "tree": ("--source", f"head:{tmp_path / 'head'},tree=1", "--k", "6")}.items():
+        assert cli(prompt_file, tmp_path / f"{name}.json", "--save-tokens", *extra) == 0
+        outs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert [outs["ref"]["engine"], outs["rt"]["engine"], outs["tree"]["engine"]] == ["reference", "runtime", "runtime"]
+    ids = {name: [r["output_ids"] for r in res["turns"]] for name, res in outs.items()}
+    assert ids["rt"] == ids["ref"] and ids["tree"] == ids["ref"]
+    tree = outs["tree"]["overall"]
+    assert len(tree["acceptance"]) == 6 and tree["tau"] >= 1.0 and 0 < tree["mean_draft_len"] <= 6

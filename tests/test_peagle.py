@@ -2,6 +2,7 @@
 
 import torch
 
+from inference.tree import tree_depths
 from models.peagle import peagle_for_target, DraftCache
 from train.cod import cod_plan, designed_count
 
@@ -136,3 +137,39 @@ def test_trainer_labels_are_aligned_with_an_oracle_target():
     # and every label is a loss token inside its sequence
     pos = out.anchor + out.depth + 1
     assert (pos < batch["lengths"][out.batch_index]).all() and batch["loss_mask"][out.batch_index, pos].all()
+
+
+def test_head_tree_drafts_are_lossless_in_the_runtime(tiny_target, tmp_path):
+    """head:DIR,tree=1: one parallel forward -> a best-first token tree; greedy output equals plain greedy and the
+    tree beats the chain's tau on the same head; chain heads and out-of-range depths are refused by name."""
+    import pytest
+
+    from inference.runtime import Runtime
+    from inference.sampling import SamplingConfig
+    from inference.sources.base import DraftContext
+    from inference.sources.draft_head import head_source
+    from models.checkpoint import save_draft
+    from models.errors import DraftheadsError
+
+    torch.manual_seed(0)
+    save_draft(peagle_for_target(tiny_target, k=4), tmp_path / "par", tiny_target)
+    save_draft(peagle_for_target(tiny_target, k=4, parallel=False), tmp_path / "chain", tiny_target)
+    src = head_source(f"{tmp_path / 'par'},tree=1,depth=3", tiny_target)
+    prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    out = tiny_target(torch.tensor([prompt[:-1]]))
+    draft = src.propose(DraftContext(torch.tensor(prompt), out.aux_hidden[0], out.final_hidden[0]), 10, SamplingConfig())
+    assert draft.size == 10 and int(tree_depths(draft.parents).max()) <= 3
+    rt = Runtime(tiny_target, max_len=64)
+    plain = rt.generate([prompt], 20, ignore_eos=True).tokens
+    tree = rt.generate([prompt], 20, source=src, k=10, ignore_eos=True)
+    chain = rt.generate([prompt], 20, source=head_source(str(tmp_path / "par"), tiny_target), k=3, ignore_eos=True)
+    assert tree.tokens == plain and chain.tokens == plain
+    assert tree.stats.tau >= chain.stats.tau
+    sampled = rt.generate([prompt], 20, source=src, k=10, sampling=SamplingConfig(temperature=1.0), ignore_eos=True)
+    assert len(sampled.tokens[0]) == 20
+    with pytest.raises(DraftheadsError, match="drafts one chain, so drop tree=1"):
+        head_source(f"{tmp_path / 'chain'},tree=1", tiny_target)
+    with pytest.raises(DraftheadsError, match="depth=5 must be between 1 and the head's K=4"):
+        head_source(f"{tmp_path / 'par'},tree=1,depth=5", tiny_target)
+    with pytest.raises(DraftheadsError, match="'tre=1' is not KEY=VALUE"):
+        head_source(f"{tmp_path / 'par'},tre=1", tiny_target)

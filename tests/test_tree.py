@@ -79,3 +79,42 @@ def test_sampled_children_follow_target_distribution():
     assert (emp - p).abs().max() < 0.02
     # child 3 is accepted with prob p(3) = 0.3; child 1 then with p'(1) = 0.4 / 0.7 -> overall 0.4
     assert abs(n_paths[1].item() / 6000 - 0.7) < 0.02
+
+
+def test_best_first_tree_by_hand():
+    """Independent positions: path score = product of per-depth probabilities; the 5 best nodes, best first."""
+    from inference.tree import best_first_tree
+
+    logp = torch.full((2, V), float("-inf"))
+    logp[0, [1, 2, 3]] = torch.tensor([0.6, 0.3, 0.1]).log()  # depth 1: a=1, b=2, c=3
+    logp[1, [7, 8, 9]] = torch.tensor([0.7, 0.2, 0.1]).log()  # depth 2: x=7, y=8, z=9
+    tokens, parents = best_first_tree(logp, 5)
+    # a .6, ax .42, b .3, bx .21, ay .12 (c .1 and the rest fall off)
+    assert tokens.tolist() == [1, 7, 2, 7, 8] and parents.tolist() == [-1, 0, -1, 2, 0]
+    # the budget exceeds the finite paths: stops at the first -inf instead of proposing impossible tokens
+    tokens, parents = best_first_tree(logp, 50)
+    assert tokens.numel() == 3 + 9
+
+
+def test_best_first_tree_keeps_the_n_best_paths():
+    from itertools import product
+
+    from inference.tree import best_first_tree
+
+    g = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(torch.randn(3, 6, generator=g) * 2, -1)
+    for n in (1, 4, 11, 30):
+        tokens, parents = best_first_tree(logp, n)
+        check_parents(parents)
+        depth = tree_depths(parents)
+        scores = []
+        for i in range(n):
+            s, node = 0.0, i
+            while node >= 0:
+                s += float(logp[depth[node] - 1, tokens[node]])
+                node = int(parents[node])
+            scores.append(s)
+        every = sorted((sum(float(logp[d, t]) for d, t in enumerate(path)) for D in (1, 2, 3)
+                        for path in product(range(6), repeat=D)), reverse=True)
+        assert scores == pytest.approx(every[:n], abs=1e-5)  # the n best, best first
+        assert len({(int(p), int(t)) for p, t in zip(parents, tokens)}) == n  # siblings are distinct tokens

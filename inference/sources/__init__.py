@@ -69,7 +69,7 @@ def source_layer_ids(spec: str) -> list[int] | None:
         return None
     from models.checkpoint import read_draft_config
 
-    return list(read_draft_config(arg)["target"]["layer_ids"])
+    return list(read_draft_config(arg.partition(",")[0])["target"]["layer_ids"])  # 'DIR,tree=1' -> DIR
 
 
 def build_source(spec: str, target) -> DraftSource:

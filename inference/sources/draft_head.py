@@ -1,4 +1,4 @@
-"""A trained draft head (P-EAGLE parallel, EAGLE-3 chain, Medusa) as a DraftSource: spec "head:DIR".
+"""A trained draft head (P-EAGLE parallel, EAGLE-3 chain, Medusa) as a DraftSource: spec "head:DIR[,tree=1,depth=D]".
 
 It reads the target features of the committed tokens (ctx.aux_hidden, or ctx.final_hidden for Medusa), keeps a
 cache of the head's depth-1 keys/values while the context only grows, and returns the draft tokens with the
@@ -13,6 +13,7 @@ import torch
 
 from inference.sampling import SamplingConfig
 from inference.sources.base import Draft, DraftContext
+from inference.tree import best_first_tree
 from models.checkpoint import load_draft
 from models.errors import DraftheadsError
 from models.peagle import DraftCache
@@ -21,8 +22,14 @@ from models.peagle import DraftCache
 class DraftHeadSource:
     needs_features = True
 
-    def __init__(self, head, name: str, seed: int = 0):
-        self.head, self.name = head, name
+    def __init__(self, head, name: str, seed: int = 0, tree: bool = False, depth: int | None = None):
+        if tree and not getattr(head, "parallel", False):
+            raise DraftheadsError(f"draft source '{name}': tree=1 needs a head that drafts its positions independently "
+                                  f"(P-EAGLE with parallel: true, or Medusa); this {head.family_name} head drafts one "
+                                  "chain, so drop tree=1")
+        if depth is not None and not 1 <= depth <= head.k:
+            raise DraftheadsError(f"draft source '{name}': depth={depth} must be between 1 and the head's K={head.k}")
+        self.head, self.name, self.tree, self.depth = head, name, tree, depth or head.k
         self.cache = DraftCache()
         self.generator = torch.Generator(device=next(head.parameters()).device).manual_seed(seed)
 
@@ -35,9 +42,11 @@ class DraftHeadSource:
         if feats is None:
             raise DraftheadsError(f"draft source '{self.name}' needs the target's {self.head.feature} for the context; "
                                   "run it through the runtime with feature capture (sources with needs_features=True)")
-        k = min(k, self.head.k)
         if k <= 0 or ctx.tokens.numel() < 2:
             return Draft(ctx.tokens.new_zeros(0))
+        if self.tree:
+            return self._tree(ctx.tokens, feats, k, sampling)
+        k = min(k, self.head.k)
         drafted = []
 
         def sample_fn(draft_logits):  # chain heads feed each sampled token back
@@ -52,9 +61,20 @@ class DraftHeadSource:
         probs = None if sampling.greedy else sampling.probs(logits)
         return Draft(tokens.long(), probs)
 
+    def _tree(self, tokens, feats, nodes: int, sampling: SamplingConfig) -> Draft:
+        depth = min(self.depth, nodes)
+        logits = self.head.full_vocab_logits(self.head.draft_logits(tokens, feats, self.cache, depth, None).float())
+        logp = torch.log_softmax(logits, -1) if sampling.greedy else sampling.probs(logits).log()  # [depth, V]
+        tree_tokens, parents = best_first_tree(logp, nodes)
+        return Draft(tree_tokens.to(tokens.device), parents=parents)
+
 
 def head_source(arg: str | None, target) -> DraftHeadSource:
-    """Factory for the source registry: 'head:DIR' (a directory written by training: out_dir/head)."""
-    if not arg:
+    """Factory for the source registry: 'head:DIR' or 'head:DIR,tree=1,depth=5' (DIR written by training: out_dir/head)."""
+    from inference.sources import parse_kwargs
+
+    path, _, rest = (arg or "").partition(",")
+    if not path:
         raise DraftheadsError("draft source 'head' needs a checkpoint directory: write head:DIR (e.g. head:outputs/run/head)")
-    return DraftHeadSource(load_draft(arg, target), f"head:{arg}")
+    kw = parse_kwargs(rest, f"head:{arg}", {"tree": int, "depth": int})
+    return DraftHeadSource(load_draft(path, target), f"head:{arg}", tree=bool(kw.get("tree", 0)), depth=kw.get("depth"))
