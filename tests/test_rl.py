@@ -1,13 +1,20 @@
 """Stage-2 RL pieces: many blocks per sequence are scored exactly and trained with inference numerics."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
+from conf.schema import Config
 from inference.llama import LlamaForward
+from models.checkpoint import load_draft
 from models.dspark import dspark_for_target
 from models.peagle import DraftCache, peagle_for_target
-from train.rl import block_batch, block_logits, block_plan, pick_anchors, score_blocks
+from tests.test_trainer import make_cfg, tiny_features
+from train.rl import (BLOCK_SEED, HOLDOUT_SEED, block_batch, block_logits, block_plan, pick_anchors,
+                      rl_validation_fn, score_blocks)
 
 K = 4
 
@@ -76,3 +83,96 @@ def test_block_plan_and_anchors():
     item = {"input_ids": torch.arange(40), "loss_mask": torch.arange(40) >= 20}
     got = pick_anchors(item, 8, 30, torch.Generator().manual_seed(0))
     assert len(got) == 8 == len(set(got)) and got == sorted(got) and all(18 <= a <= 28 for a in got)
+
+
+def held_out(target, n=5, T=30):
+    """n random sequences (prompt: the first 6 tokens; the last has no trained token, so no usable anchor)."""
+    g = torch.Generator().manual_seed(1)
+    items = []
+    for i in range(n):
+        ids = torch.randint(0, 256, (T,), generator=g)
+        out = target(ids[None])
+        mask = (torch.arange(T) >= 6) & (i < n - 1)
+        items.append({"input_ids": ids, "loss_mask": mask, "aux_hidden": out.aux_hidden[0].float(),
+                      "final_hidden": out.final_hidden[0].float()})
+    return items
+
+
+def rl_train_cfg(**kw):
+    tc = OmegaConf.structured(Config).train
+    tc.batch_size, tc.rl_anchors, tc.rl_max_context = 2, 4, 30
+    for key, v in kw.items():
+        tc[key] = v
+    return tc
+
+
+def test_rl_validation_is_reproducible_covers_the_holdout_and_tracks_the_head(tiny_target):
+    torch.manual_seed(0)
+    head = peagle_for_target(tiny_target, k=K, num_layers=1, parallel=False)
+    items = held_out(tiny_target)
+    validate = rl_validation_fn(head, tiny_target, items, rl_train_cfg(), K, tiny_target.device)
+    first = validate()
+    torch.rand(10)  # the global RNG plays no part
+    assert validate() == first
+    # T = the schedule's end (1); 4 sequences x 4 anchors in 3 chunks of <= 2, the anchor-less one skipped
+    assert first["val_serve_temperature"] == 1.0 and first["val_blocks"] == 16
+    assert 0 < first["val_expected_accepted"] <= K and 0 <= first["val_reward"] <= K
+    assert all(0 < first[f"val_alpha_{d}"] <= 1 for d in range(1, K + 1))
+    # measured: near-uniform random head and target at T=1 agree a lot (alpha ~0.91, E[accepted] ~3.2)
+    assert first["val_expected_accepted"] > 2.5 and first["val_reward"] > 2.0, first
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p))
+    other = validate()
+    assert other["val_expected_accepted"] != first["val_expected_accepted"]
+    assert other["val_reward"] != first["val_reward"], (first, other)
+
+
+def test_rl_validation_equals_greedy_acceptance_by_hand(tiny_target):
+    """At T=0 the blocks are the head's argmax chain: recompute alpha (head softmax at the surrogate T on the target's
+    argmax), E[accepted] and the greedy accepted length from plain inference and target forwards, block by block."""
+    torch.manual_seed(0)
+    head = peagle_for_target(tiny_target, k=K, num_layers=1, parallel=False).eval()
+    items = held_out(tiny_target)
+    tc = rl_train_cfg(rl_temperature=0.0, rl_surrogate_temperature=0.5)
+    got = rl_validation_fn(head, tiny_target, items, tc, K, tiny_target.device)()
+    alphas, expected, reward = [], [], []
+    with torch.no_grad():
+        for chunk, start in enumerate(range(0, len(items), tc.batch_size)):
+            g = torch.Generator().manual_seed(tc.seed * BLOCK_SEED + HOLDOUT_SEED + chunk)
+            for item in items[start: start + tc.batch_size]:
+                ids = item["input_ids"]
+                for a in pick_anchors(item, tc.rl_anchors, tc.rl_max_context, g):  # greedy: g draws only anchors
+                    q = head.full_vocab_logits(head.draft_logits(ids[: a + 2], item["aux_hidden"][: a + 1],
+                                                                 DraftCache(), K, lambda logits: logits.argmax()))
+                    y = q.argmax(-1)  # [K]
+                    best = tiny_target(torch.cat([ids[: a + 2], y[:-1]])[None]).logits[0, a + 1:].argmax(-1)  # [K]
+                    alpha = F.softmax(q.float() / 0.5, -1)[torch.arange(K), best]
+                    alphas.append(alpha)
+                    expected.append(float(alpha.cumprod(0).sum()))
+                    reward.append(int((y == best).long().cumprod(0).sum()))
+    assert got["val_blocks"] == len(expected) == 16 and got["val_serve_temperature"] == 0.0
+    assert got["val_expected_accepted"] == pytest.approx(sum(expected) / 16, abs=2e-6)
+    assert got["val_reward"] == pytest.approx(sum(reward) / 16, abs=1e-6)
+    for d in range(K):
+        assert got[f"val_alpha_{d + 1}"] == pytest.approx(float(torch.stack(alphas)[:, d].mean()), abs=2e-6)
+
+
+def test_rl_run_logs_the_held_out_objective_before_and_after(tiny_target, tmp_path):
+    """The trainer's RL validation merges val_tau_est with the on-policy objective, at step 0 and at the end, and
+    the logged numbers are rl_validation_fn's on the stage-1 and final heads."""
+    from train.trainer import train_draft
+
+    feats = tiny_features(tiny_target, n=6)
+    cfg = make_cfg(tmp_path, steps=2, rl_steps=2, rl_lr=1e-2, stages=["soft_label", "rl"], rl_max_context=30,
+                   rl_anchors=4, holdout_sequences=2, eval_every=100)
+    train_draft(cfg, tiny_target, feats, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in rows if r["stage"] == "rl" and "val_expected_accepted" in r]
+    assert [r["step"] for r in val] == [0, 2]
+    for row, head_dir in zip(val, ("head_soft_label", "head")):
+        assert {"val_tau_est", "val_reward", "val_alpha_1", "val_alpha_3", "val_serve_temperature"} <= set(row)
+        head = load_draft(tmp_path / head_dir, tiny_target).eval()
+        again = rl_validation_fn(head, tiny_target, feats[-2:], cfg.train, 3, tiny_target.device)()
+        assert {k: row[k] for k in again} == pytest.approx(again, abs=2e-6)
+    assert val[0]["val_expected_accepted"] != val[1]["val_expected_accepted"]

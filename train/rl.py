@@ -17,11 +17,15 @@ The temperature is the schedule's (as in stage 1) unless train.rl_temperature fi
 with q at train.rl_surrogate_temperature: 1 is the head's own distribution; below 1 alpha approaches the 0/1 greedy
 acceptance and its gradient concentrates on near misses (the target's token just below the head's argmax), the
 cases one step can flip. There is no REINFORCE term at 0 (the blocks are not samples of q); the KL anchor stays at T=1.
+Held out (rl_validation_fn), steps 1-4 without the loss run on every held-out sequence at fixed seeds: the
+objective itself (val_expected_accepted, val_reward, val_alpha_k), logged next to stage 1's val_tau_est.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +40,7 @@ from train.cod import CodPlan
 from train.trainer import _unwrap, batch_indices, run_loop
 
 BLOCK_SEED = 2_000_003
+HOLDOUT_SEED = 1_000_000_007  # rl_validation_fn's draws: offset far past any training micro-step
 
 
 def frozen_copy(head, target):
@@ -117,42 +122,42 @@ def score_blocks(model: LlamaForward, contexts: list[Tensor], anchors: Tensor, y
     return torch.cat([first[:, :, None], rest.view(B, M, K - 1, -1)], 2).float()
 
 
-def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
-    scorer = LlamaForward(target)
+@dataclass
+class Rollout:
+    """One on-policy draw: N valid blocks of K tokens sampled from the head, scored by the target and the head."""
+    batch: dict  # the head's inputs (block_batch) with its plan: the KL term re-runs the reference on them
+    plan: CodPlan
+    anchors: Tensor  # [B, M]
+    valid: Tensor  # [B, M]
+    y: Tensor  # [N, K] the sampled tokens of the valid blocks
+    q_t: float  # the head's softmax temperature in log_q: the serving T, or 1 when serving greedily
+    log_q: Tensor  # [N, K, V] the head's log-probs at q_t; grads when enabled
+    alpha: Tensor  # [N, K] sum_v min(p_k, q_k)
+    expected: Tensor  # [N] sum_k prod_{j<=k} alpha_j
+    reward: Tensor  # [N] tokens accepted by the exact rule
+    tokens: int  # context + block tokens the target read
 
-    def step_fn(micro: int, temperature: float):
-        core = _unwrap(head)
-        g = torch.Generator().manual_seed(tc.seed * BLOCK_SEED + micro)
-        serve_t = temperature if tc.rl_temperature is None else tc.rl_temperature
-        items, anchor_lists = [], []
-        n = len(dataset)
-        for i in batch_indices(micro, tc.batch_size, n, tc.seed + 1):
-            item, picked = dataset[i], []
-            for _ in range(n):  # a sequence without a usable anchor: take the next one
-                picked = pick_anchors(item, tc.rl_anchors, tc.rl_max_context, g)
-                if picked:
-                    break
-                i = (i + 1) % n
-                item = dataset[i]
-            if not picked:
-                raise DraftheadsError(f"no sequence has a trained token within train.rl_max_context="
-                                      f"{tc.rl_max_context} tokens; raise it")
-            items.append(item)
-            anchor_lists.append(picked)
-        B, M = len(items), max(len(a) for a in anchor_lists)
-        anchors = torch.tensor([a + [a[-1]] * (M - len(a)) for a in anchor_lists], device=device)  # padding repeats
-        valid = torch.tensor([[m < len(a) for m in range(M)] for a in anchor_lists], device=device)  # [B, M]
 
-        # 1-2. on-policy blocks (no grad): y [B, M, K]
-        sampling = SamplingConfig(temperature=serve_t)  # the runtime's one sampler (argmax at 0)
-        chain = []
+def rollout(head, scorer: LlamaForward, items: list[dict], anchor_lists: list[list[int]], tc, k: int,
+            serve_t: float, g: torch.Generator, device) -> Rollout:
+    """Steps 2-4 of the module docstring for the sequences `items` at their sorted `anchor_lists`, up to the loss: the
+    head's q keeps its graph when grad is enabled (training); the draws (blocks, then the exact rule's u) come from g."""
+    core = _unwrap(head)
+    B, M = len(items), max(len(a) for a in anchor_lists)
+    anchors = torch.tensor([a + [a[-1]] * (M - len(a)) for a in anchor_lists], device=device)  # padding repeats
+    valid = torch.tensor([[m < len(a) for m in range(M)] for a in anchor_lists], device=device)  # [B, M]
 
-        def sampler(logits):
-            tok = sampling.sample(core.full_vocab_logits(logits.float()), g)
-            chain.append(tok)
-            return tok
+    # 2. on-policy blocks: y [B, M, K]
+    sampling = SamplingConfig(temperature=serve_t)  # the runtime's one sampler (argmax at 0)
+    chain = []
 
-        y = torch.zeros(B, M, k, dtype=torch.long)
+    def sampler(logits):
+        tok = sampling.sample(core.full_vocab_logits(logits.float()), g)
+        chain.append(tok)
+        return tok
+
+    y = torch.zeros(B, M, k, dtype=torch.long)
+    with torch.no_grad():
         for b, item in enumerate(items):
             cache = DraftCache()  # anchors ascend, so the head's context cache only grows
             for m, a in enumerate(anchor_lists[b]):
@@ -163,48 +168,110 @@ def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
                 drawn = torch.stack(chain).view(-1).cpu() if chain else torch.empty(0, dtype=torch.long)
                 y[b, m] = torch.cat([drawn, sampling.sample(logits[len(chain):], g).view(-1).cpu()])
             y[b, len(anchor_lists[b]):] = y[b, len(anchor_lists[b]) - 1]
-        y = y.to(device)
+    y = y.to(device)
 
-        # 3. the frozen target scores each sequence's context + blocks in one forward
-        contexts = [it["input_ids"][: max(a) + 2].to(device) for it, a in zip(items, anchor_lists)]
-        p_logits = score_blocks(scorer, contexts, anchors, y)[valid]  # [N, K, V]
-        p = sampling.probs(p_logits)  # the target's distribution at the serving temperature (one-hot at 0)
+    # 3. the frozen target scores each sequence's context + blocks in one forward
+    contexts = [it["input_ids"][: max(a) + 2].to(device) for it, a in zip(items, anchor_lists)]
+    p = sampling.probs(score_blocks(scorer, contexts, anchors, y)[valid])  # [N, K, V] at T (one-hot at 0)
 
-        # 4. the head's q with gradients, on the sampled tokens
-        batch, plan = block_batch(items, contexts, anchors, valid, y)
-        q_t = serve_t if serve_t > 0 else 1.0  # greedy serving: the head's own distribution (KL, REINFORCE)
-        logits = block_logits(core, head(batch, plan), anchors, valid, k)  # [N, K, V]
-        log_q = F.log_softmax(logits / q_t, -1)
-        q = log_q.exp()
-        q_alpha = q if serve_t > 0 else F.softmax(logits / tc.rl_surrogate_temperature, -1)
-        yv = y[valid]  # [N, K]
-        alpha = torch.minimum(p, q_alpha).sum(-1)  # [N, K]
-        expected = expected_accepted(alpha)
-        q_tok = q.gather(-1, yv[..., None]).squeeze(-1)
-        p_tok = p.gather(-1, yv[..., None]).squeeze(-1)
-        reward = exact_accepted(p_tok.detach(), q_tok.detach(), g).float()  # [N]
-        N = reward.numel()
-        loss = -expected.mean()
+    # 4. the head's q on the sampled tokens (training == inference numerics)
+    batch, plan = block_batch(items, contexts, anchors, valid, y)
+    q_t = serve_t if serve_t > 0 else 1.0  # greedy serving: the head's own distribution (KL, REINFORCE)
+    logits = block_logits(core, head(batch, plan), anchors, valid, k)  # [N, K, V]
+    log_q = F.log_softmax(logits / q_t, -1)
+    q = log_q.exp()
+    q_alpha = q if serve_t > 0 else F.softmax(logits / tc.rl_surrogate_temperature, -1)
+    yv = y[valid]  # [N, K]
+    alpha = torch.minimum(p, q_alpha).sum(-1)  # [N, K]
+    q_tok = q.gather(-1, yv[..., None]).squeeze(-1)
+    p_tok = p.gather(-1, yv[..., None]).squeeze(-1)
+    reward = exact_accepted(p_tok.detach(), q_tok.detach(), g).float()  # [N]
+    tokens = int(sum(c.numel() for c in contexts) + reward.numel() * (k - 1))
+    return Rollout(batch, plan, anchors, valid, yv, q_t, log_q, alpha, expected_accepted(alpha), reward, tokens)
+
+
+def acceptance_stats(expected: Tensor, reward: Tensor, alpha: Tensor, serve_t: float) -> dict:
+    """Means over blocks: expected [N], reward [N], alpha [N, K] -> blocks, reward, expected_accepted, alpha_1..K."""
+    stats = {"blocks": int(reward.numel()), "reward": float(reward.mean()),
+             "expected_accepted": float(expected.detach().mean()), "serve_temperature": serve_t}
+    for d in range(alpha.shape[1]):
+        stats[f"alpha_{d + 1}"] = float(alpha[:, d].detach().mean())
+    return stats
+
+
+def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
+    scorer = LlamaForward(target)
+
+    def step_fn(micro: int, temperature: float):
+        g = torch.Generator().manual_seed(tc.seed * BLOCK_SEED + micro)
+        serve_t = temperature if tc.rl_temperature is None else tc.rl_temperature
+        items, anchor_lists = [], []
+        n = len(dataset)
+        for i in batch_indices(micro, tc.batch_size, n, tc.seed + 1):  # 1. anchors
+            item, picked = dataset[i], []
+            for _ in range(n):  # a sequence without a usable anchor: take the next one
+                picked = pick_anchors(item, tc.rl_anchors, tc.rl_max_context, g)
+                if picked:
+                    break
+                i = (i + 1) % n
+                item = dataset[i]
+            if not picked:
+                raise _no_anchor_error(tc)
+            items.append(item)
+            anchor_lists.append(picked)
+        r = rollout(head, scorer, items, anchor_lists, tc, k, serve_t, g, device)
+        N = r.reward.numel()
+        loss = -r.expected.mean()
         if serve_t > 0 and tc.rl_pg_weight > 0:
-            baseline = (reward.sum() - reward) / (N - 1) if N > 1 else torch.zeros_like(reward)
-            decided = torch.arange(k, device=device)[None] <= reward[:, None]  # accepted tokens + the first rejected
-            logq_tok = log_q.gather(-1, yv[..., None]).squeeze(-1)
-            loss = loss + tc.rl_pg_weight * (-((reward - baseline)[:, None] * logq_tok * decided).sum(1)).mean()
+            baseline = (r.reward.sum() - r.reward) / (N - 1) if N > 1 else torch.zeros_like(r.reward)
+            decided = torch.arange(k, device=device)[None] <= r.reward[:, None]  # accepted tokens + the first rejected
+            logq_tok = r.log_q.gather(-1, r.y[..., None]).squeeze(-1)
+            loss = loss + tc.rl_pg_weight * (-((r.reward - baseline)[:, None] * logq_tok * decided).sum(1)).mean()
         if tc.rl_kl_weight > 0:
             with torch.no_grad():
-                ref_logits = block_logits(reference, reference(batch, plan), anchors, valid, k)
-                ref_logp = F.log_softmax(ref_logits / q_t, -1)
+                ref_logits = block_logits(reference, reference(r.batch, r.plan), r.anchors, r.valid, k)
+                ref_logp = F.log_softmax(ref_logits / r.q_t, -1)
             ref_p = ref_logp.exp()  # 0 outside a draft vocabulary, where both log-probs are -inf
-            kl = torch.where(ref_p > 0, ref_p * (ref_logp - log_q), torch.zeros_like(ref_p)).sum(-1)  # [N, K]
+            kl = torch.where(ref_p > 0, ref_p * (ref_logp - r.log_q), torch.zeros_like(ref_p)).sum(-1)  # [N, K]
             loss = loss + tc.rl_kl_weight * kl.mean()
-        stats = {"tokens": int(sum(c.numel() for c in contexts) + N * (k - 1)), "blocks": N,
-                 "reward": float(reward.mean()), "expected_accepted": float(expected.detach().mean()),
-                 "serve_temperature": serve_t}
-        for d in range(k):
-            stats[f"alpha_{d + 1}"] = float(alpha[:, d].detach().mean())
-        return loss, stats
+        return loss, {"tokens": r.tokens, **acceptance_stats(r.expected, r.reward, r.alpha, serve_t)}
 
     return step_fn
+
+
+def rl_validation_fn(head, target, holdout, tc, k: int, device) -> Callable[[], dict]:
+    """() -> {"val_expected_accepted", "val_reward", "val_alpha_1".., "val_serve_temperature", "val_blocks"}: the RL
+    objective itself on every held-out sequence (up to rl_anchors blocks each, sequences without a usable anchor
+    skipped), pooled over blocks. Anchors and draws come from fixed seeds apart from training's, so two calls on the
+    same head give the same numbers. T is train.rl_temperature, else the schedule's end temperature."""
+    scorer = LlamaForward(target)
+    serve_t = tc.temperature.end if tc.rl_temperature is None else tc.rl_temperature
+
+    @torch.no_grad()
+    def validate() -> dict:
+        expected, reward, alpha = [], [], []
+        for chunk, start in enumerate(range(0, len(holdout), tc.batch_size)):
+            g = torch.Generator().manual_seed(tc.seed * BLOCK_SEED + HOLDOUT_SEED + chunk)
+            items = [holdout[i] for i in range(start, min(start + tc.batch_size, len(holdout)))]
+            picked = [(it, pick_anchors(it, tc.rl_anchors, tc.rl_max_context, g)) for it in items]
+            picked = [(it, a) for it, a in picked if a]
+            if not picked:
+                continue
+            r = rollout(head, scorer, [it for it, _ in picked], [a for _, a in picked], tc, k, serve_t, g, device)
+            expected.append(r.expected)
+            reward.append(r.reward)
+            alpha.append(r.alpha)
+        if not expected:
+            raise _no_anchor_error(tc, "held-out ")
+        stats = acceptance_stats(torch.cat(expected), torch.cat(reward), torch.cat(alpha), serve_t)
+        return {f"val_{key}": round(v, 6) if isinstance(v, float) else v for key, v in stats.items()}
+
+    return validate
+
+
+def _no_anchor_error(tc, which: str = "") -> DraftheadsError:
+    return DraftheadsError(f"no {which}sequence has a trained token within train.rl_max_context={tc.rl_max_context} "
+                           "tokens; raise it")
 
 
 def block_batch(items: list[dict], contexts: list[Tensor], anchors: Tensor, valid: Tensor, y: Tensor
@@ -245,7 +312,8 @@ def block_logits(core, out, anchors: Tensor, valid: Tensor, k: int) -> Tensor:
 def train_rl(cfg, head, target, dataset, out: Path, metrics_path: Path, wandb_run=None, stop_at_step=None,
              validate=None):
     """Stage 2 from `head` (the stage-1 result); returns (head, last metrics), or (None, ...) on a simulated kill.
-    validate: the held-out metrics (val_tau_est), logged at step 0, every train.eval_every steps and at the end."""
+    validate: the held-out metrics (val_tau_est, and rl_validation_fn's val_expected_accepted / val_reward), logged at
+    step 0, every train.eval_every steps and at the end."""
     tc = cfg.train
     if not cfg.train.rl_steps:
         return head, {}

@@ -413,14 +413,21 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None)
             save_draft(head, stage_dir, target, resolved, metrics)
 
     if "rl" in tc.stages:
-        from train.rl import train_rl
+        from train.rl import rl_validation_fn, train_rl
 
         if head is None:  # RL alone: start from draft.init_from (a stage-1 checkpoint)
             if not dc.init_from:
                 raise DraftheadsError("train.stages=[rl] needs draft.init_from=DIR (a stage-1 head) to start from")
             head = _trainable(load_draft(dc.init_from, target))
-        validate = None if holdout is None else validation_fn(  # teacher-forced greedy agreement: val_tau_est
-            lambda data: soft_label_step_fn(head, target, data, tc, dc.k, target.device), holdout, tc.batch_size, dc.k)
+        validate = None
+        if holdout is not None:
+            tau_est = validation_fn(  # teacher-forced greedy agreement: val_tau_est
+                lambda data: soft_label_step_fn(head, target, data, tc, dc.k, target.device), holdout, tc.batch_size,
+                dc.k)
+            on_policy = rl_validation_fn(head, target, holdout, tc, dc.k, target.device)  # the RL objective at T
+
+            def validate():
+                return {**tau_est(), **on_policy()}
         head, metrics = train_rl(cfg, head, target, dataset, out, metrics_path, wandb_run, stop_at_step, validate)
         if head is None:
             return out
