@@ -109,6 +109,7 @@ class EvalConfig:
     k: list[int] = field(default_factory=lambda: [4, 8])
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     sources: list[str] = field(default_factory=lambda: ["prompt_lookup"])
+    head_tree: bool = True  # also rate a trained parallel / Medusa head as a token tree of k nodes (same verify width)
 
 
 @dataclass

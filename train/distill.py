@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from conf.schema import register_configs
+from models.checkpoint import read_draft_config
 from models.errors import DraftheadsError
 
 register_configs()
@@ -49,11 +51,23 @@ def run(cfg: DictConfig) -> dict:
 
         report["head"] = str(train_draft(cfg, target, out / "data" / "features", out))
         sources.append(f"head:{report['head']}")
+        if cfg.eval.head_tree and read_draft_config(report["head"])["family"] in TREE_FAMILIES:
+            sources.append(f"head:{report['head']},tree=1")
     if cfg.eval.limit != 0 and sources:
         report["eval"] = evaluate(cfg, sources, out / "eval")
     (out / "run_report.json").write_text(json.dumps(report, indent=1))
     print(f"[draftheads] outputs in {out}/")
     return report
+
+
+TREE_FAMILIES = ("peagle", "medusa")  # positions drafted independently: one forward gives a token tree
+
+
+def source_label(spec: str) -> str:
+    """'head:DIR,tree=1' -> 'head[tree=1]': the source's name and options, without its path."""
+    name, _, arg = spec.partition(":")
+    options = arg.partition(",")[2] if name in ("head", "draft_file") else arg
+    return f"{name}[{options}]" if options else name
 
 
 def evaluate(cfg: DictConfig, sources: list[str], out: Path) -> list[dict]:
@@ -65,7 +79,8 @@ def evaluate(cfg: DictConfig, sources: list[str], out: Path) -> list[dict]:
     for source in sources:
         for k in cfg.eval.k:
             for temperature in cfg.eval.temperatures:
-                tag = f"{source.split(':')[0]}_k{k}_T{temperature:g}"
+                label = source_label(source)
+                tag = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + f"_k{k}_T{temperature:g}"
                 args = acceptance.parse_args([
                     "--prompts", cfg.eval.prompts, "--source", source, "--k", str(k), "--temperature", str(temperature),
                     "--max-new", str(cfg.eval.max_new), "--out", str(out / f"{tag}.json"), "--target", cfg.target.name,
@@ -76,7 +91,7 @@ def evaluate(cfg: DictConfig, sources: list[str], out: Path) -> list[dict]:
                 results = acceptance.run(args)
                 write_report(args.out, results, acceptance.table(results), f"{source}, k={k}, T={temperature:g}")
                 o = results["overall"]
-                rows.append({"source": source.split(":")[0], "k": k, "T": temperature, "tau": o["tau"],
+                rows.append({"source": label, "k": k, "T": temperature, "tau": o["tau"],
                              "mean_draft_len": o["mean_draft_len"], "draft_ms": o["draft_ms_per_round"],
                              "verify_ms": o["verify_ms_per_round"],
                              "acceptance": " ".join("-" if a is None else f"{a:.2f}" for a in o["acceptance"])})
