@@ -18,6 +18,7 @@ class FirstSource:
     def __init__(self, sources: list[DraftSource], spec: str):
         self.sources, self.name = sources, spec
         self.needs_features = any(s.needs_features for s in sources)
+        self.tree = any(getattr(s, "tree", False) for s in sources)  # some rounds are token trees: the tree runtime
 
     def reset(self) -> None:
         for s in self.sources:
