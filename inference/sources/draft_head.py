@@ -54,12 +54,17 @@ class DraftHeadSource:
             drafted.append(tok)
             return tok
 
-        logits = self.head.full_vocab_logits(
-            self.head.draft_logits(ctx.tokens, feats, self.cache, k, sample_fn).float())  # [k, V]
+        logits, confidences = self._draft(ctx.tokens, feats, k, sample_fn)
+        logits = self.head.full_vocab_logits(logits.float())  # [k, V]
         tail = sampling.sample(logits[len(drafted):], self.generator)  # parallel: all k; chain: the last one
         tokens = torch.cat([torch.stack(drafted), tail]) if drafted else tail
         probs = None if sampling.greedy else sampling.probs(logits)
-        return Draft(tokens.long(), probs)
+        return Draft(tokens.long(), probs, None if confidences is None else confidences.float())
+
+    def _draft(self, tokens, feats, k: int, sample_fn):
+        """(logits [k, V_draft], confidences [k] or None) for the k tokens after `tokens`; sample_fn(logits) -> id is
+        called for every token a later row depends on (chain heads), in order."""
+        return self.head.draft_logits(tokens, feats, self.cache, k, sample_fn), None
 
     def _tree(self, tokens, feats, nodes: int, sampling: SamplingConfig) -> Draft:
         depth = min(self.depth, nodes)

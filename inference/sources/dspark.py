@@ -11,36 +11,15 @@ inference/sources/draft_head.py's DraftHeadSource for every other family.
 
 from __future__ import annotations
 
-import torch
-
-from inference.sampling import SamplingConfig
 from inference.sources import draft_head
-from inference.sources.base import Draft, DraftContext
 from models.dspark import DSparkDrafter
-from models.errors import DraftheadsError
 
 
 class DSparkSource(draft_head.DraftHeadSource):
-    @torch.no_grad()
-    def propose(self, ctx: DraftContext, k: int, sampling: SamplingConfig) -> Draft:
-        if ctx.aux_hidden is None:
-            raise DraftheadsError(f"draft source '{self.name}' needs the target's aux_hidden for the context; "
-                                  "run it through the runtime with feature capture (sources with needs_features=True)")
-        k = min(k, self.head.k)
-        if k <= 0 or ctx.tokens.numel() < 2:
-            return Draft(ctx.tokens.new_zeros(0))
-        drafted = []
+    """DraftHeadSource's propose (tokens sampled left to right, each row's q reported) plus the confidence head."""
 
-        def sample_fn(draft_logits):  # tokens 1..k-1: each one biases the next row
-            drafted.append(sampling.sample(self.head.full_vocab_logits(draft_logits.float())[None], self.generator)[0])
-            return drafted[-1]
-
-        logits, confidences = self.head.draft(ctx.tokens, ctx.aux_hidden, self.cache, k, sample_fn)
-        logits = self.head.full_vocab_logits(logits.float())  # [k, V]
-        last = sampling.sample(logits[-1:], self.generator)
-        tokens = torch.cat([torch.stack(drafted), last]) if drafted else last
-        probs = None if sampling.greedy else sampling.probs(logits)
-        return Draft(tokens.long(), probs, confidences.float())
+    def _draft(self, tokens, feats, k: int, sample_fn):
+        return self.head.draft(tokens, feats, self.cache, k, sample_fn)  # (logits [k, V_draft], confidences [k])
 
 
 def head_source(arg: str | None, target):
