@@ -1,0 +1,79 @@
+"""Before/after τ of two `eval.acceptance` runs on the same prompts, with a bootstrap over questions.
+
+    python -m eval.compare_tau BEFORE.json AFTER.json [BEFORE2.json AFTER2.json ...]
+
+Each pair must hold the same (question, turn) records (run with the same --prompts/--categories/--limit). τ is the
+aggregate (tokens / rounds) of each run; the 95% interval resamples questions (1000 draws, seed 0) and recomputes the
+τ difference, so it covers question-to-question spread and, at T > 0, the sampling noise of each run. With several
+pairs (other seeds or K) the same resampled questions weight every pair: one pooled difference. Prints one JSON
+line per pair, then the pooled line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from models.errors import DraftheadsError
+
+
+def turn_counts(path: str) -> dict[tuple, tuple[int, int]]:
+    """(question_id, turn) -> (tokens, rounds) of one acceptance JSON."""
+    try:
+        turns = json.load(open(path))["turns"]
+    except (OSError, ValueError, KeyError) as e:
+        raise DraftheadsError(f"'{path}' is not an eval.acceptance results JSON ({e}); pass the --out file of a run") from None
+    return {(r["question_id"], r["turn"]): (r["tokens"], r["rounds"]) for r in turns}
+
+
+def tau_difference(pairs: list[tuple[str, str]], draws: int = 1000, seed: int = 0) -> dict:
+    rows_b, rows_a, question = [], [], []
+    qids: dict = {}
+    for before_path, after_path in pairs:
+        before, after = turn_counts(before_path), turn_counts(after_path)
+        if set(before) != set(after):
+            raise DraftheadsError(f"'{before_path}' and '{after_path}' cover different prompts/turns; rerun both with "
+                                  "the same --prompts, --categories and --limit")
+        for key in sorted(before, key=str):
+            rows_b.append(before[key])
+            rows_a.append(after[key])
+            question.append(qids.setdefault(key[0], len(qids)))
+    b, a = torch.tensor(rows_b, dtype=torch.float64), torch.tensor(rows_a, dtype=torch.float64)  # [N, (tokens, rounds)]
+    q = torch.tensor(question)
+
+    def diff(w: torch.Tensor) -> float:
+        return float((a[:, 0] * w).sum() / (a[:, 1] * w).sum() - (b[:, 0] * w).sum() / (b[:, 1] * w).sum())
+
+    g = torch.Generator().manual_seed(seed)
+    boot = torch.tensor([diff(torch.bincount(torch.randint(len(qids), (len(qids),), generator=g),
+                                             minlength=len(qids)).double()[q]) for _ in range(draws)])
+    ones = torch.ones(len(q), dtype=torch.float64)
+    return {"tau_before": round(float(b[:, 0].sum() / b[:, 1].sum()), 4),
+            "tau_after": round(float(a[:, 0].sum() / a[:, 1].sum()), 4), "diff": round(diff(ones), 4),
+            "ci95": [round(float(boot.quantile(0.025)), 4), round(float(boot.quantile(0.975)), 4)],
+            "questions": len(qids), "turns": len(q), "pairs": len(pairs)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eval.compare_tau", description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", help="BEFORE.json AFTER.json, repeated")
+    args = ap.parse_args(argv)
+    if len(args.runs) % 2:
+        print("error: give results JSONs in BEFORE AFTER pairs", file=sys.stderr)
+        return 2
+    pairs = list(zip(args.runs[::2], args.runs[1::2]))
+    try:
+        for pair in pairs if len(pairs) > 1 else []:
+            print(json.dumps({"before": pair[0], "after": pair[1], **tau_difference([pair])}))
+        print(json.dumps({"bench": "compare_tau", **tau_difference(pairs)}))
+    except DraftheadsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
