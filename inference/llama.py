@@ -48,24 +48,40 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
-# Decode and verify forwards (<= QUERY_BLOCK tokens) attend as one QUERY_BLOCK-query block over a key span rounded up
-# to a multiple of SPAN_BLOCK, so a token gets bitwise the same logits decoded alone or verified among drafts (the
-# lossless check compares exactly that). CPU SDPA is row-invariant only for equal shapes, and its flash kernel sums
-# keys in blocks of min(512, span): spans of 256 and 384 round differently, any multiple of 512 the same (masked
-# blocks add exact zeros). A 2-thread bfloat16 run flipped 2 of 22 greedy outputs at 256 tokens with 128.
-# Work that needs no equality (regenerating training data) passes row_invariant=False: a 1-token decode then attends
-# in float32 matmuls over the real span, 5x faster than the padded SDPA block at batch 16 (0.6 vs 3.1 ms a layer).
+# Decode and verify forwards (<= QUERY_BLOCK tokens) attend through `matmul_attention`, so a token gets bitwise the
+# same output decoded alone, verified in a chain, or verified as a tree node whose ancestors sit at scattered cache
+# slots (the lossless check compares exactly that). SDPA flipped greedy tokens in bfloat16 for trees (3 of 16 MT-bench
+# outputs at 128 tokens): its softmax sums keys in vectorised lanes, so a key's slot changes the rounding. float32
+# GEMMs here round a row the same for any row count >= GEMM_MIN_ROWS (4 and up agree, 1-3 rows take another kernel:
+# measured on this CPU for 4..48 rows, 512 and 1024 keys), so decoding pads its query rows up to that.
+# The key span is rounded up to SPAN_BLOCK (fewer distinct shapes; static ones for CUDA graphs).
+# Work that needs no equality (regenerating training data) passes row_invariant=False: no padding, real span.
 QUERY_BLOCK = 16
 SPAN_BLOCK = 512
+GEMM_MIN_ROWS = 8
 
 
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """One query per row: q [B, nh, 1, hd], keys/values [B, kvh, S, hd], mask [B, 1, 1, S] -> [B, nh, 1, hd]."""
-    B, nh, _, hd = q.shape
-    kvh = keys.shape[1]
-    scores = (q.float().view(B, kvh, nh // kvh, hd) @ keys.float().transpose(-1, -2)) * hd**-0.5
-    scores = scores.masked_fill(~mask.view(B, 1, 1, -1), float("-inf"))
-    return (scores.softmax(-1) @ values.float()).to(q.dtype).view(B, nh, 1, hd)
+def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, pad_to: int | None = None) -> Tensor:
+    """Float32 matmul attention: q [B, nh, T, hd], keys/values [B, kvh, S, hd], mask [B, 1, T, S] bool -> [B, nh, T, hd].
+
+    Every sum over keys runs inside a GEMM, the softmax denominator too (a column of ones appended to the values),
+    and a GEMM accumulates each output element over the keys in order: a masked key adds an exact zero wherever
+    it sits. So a query's output depends only on its visible keys in slot order, not on their slots or the span,
+    once the GEMMs have enough rows (pad_to: the queries padded to that many rows with copies of the last)."""
+    B, nh, T, hd = q.shape
+    kvh, S = keys.shape[1], keys.shape[2]
+    rows = max(T, pad_to or T)
+    if rows > T:
+        q = torch.cat([q, q[:, :, -1:].expand(B, nh, rows - T, hd)], dim=2)
+        mask = torch.cat([mask, mask[:, :, -1:].expand(B, 1, rows - T, S)], dim=2)
+    g = nh // kvh  # query heads per key/value head (GQA), kv head j serving heads j*g .. j*g+g-1
+    scores = (q.float().reshape(B, kvh, g * rows, hd) @ keys.float().transpose(-1, -2)) * hd**-0.5
+    visible = mask.view(B, 1, 1, rows, S).expand(B, kvh, g, rows, S).reshape(B, kvh, g * rows, S)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()
+    acc = weights @ torch.cat([values.float(), values.new_ones(B, kvh, S, 1, dtype=torch.float32)], -1)
+    out = (acc[..., :hd] / acc[..., hd:]).view(B, nh, rows, hd)[:, :, :T]
+    return out.to(q.dtype)
 
 
 class LlamaForward:
@@ -116,14 +132,12 @@ class LlamaForward:
         q = q * cos + rotate_half(q) * sin  # cos, sin [B, 1, T, hd]
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer, k, v, rows, slots, span)  # [B, kvh, S, hd]
-        gqa = self.kv_heads != self.num_heads
-        if not self.row_invariant and mask is not None and T == 1 and mask.dtype == torch.bool:
-            return linear(decode_attention(q, keys, values, mask).transpose(1, 2).reshape(B, T, -1), *o_proj)
-        if self.row_invariant and mask is not None and T < QUERY_BLOCK:  # decode/verify: one query shape for every T (see QUERY_BLOCK)
-            q = torch.cat([q, q[:, :, -1:].expand(B, -1, QUERY_BLOCK - T, -1)], dim=2)
-            mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, QUERY_BLOCK - T, -1)], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=gqa)[:, :, :T]  # [B, nh, T, hd]
+        if mask is not None and T <= QUERY_BLOCK and mask.dtype == torch.bool:  # decode / verify (see QUERY_BLOCK)
+            pad_to = -(-GEMM_MIN_ROWS // (self.num_heads // self.kv_heads)) if self.row_invariant else None
+            out = matmul_attention(q, keys, values, mask, pad_to)
+        else:  # prefill: SDPA's fused kernels
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=self.kv_heads != self.num_heads)  # [B, nh, T, hd]
         return linear(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim), *o_proj)
 
     def _mlp(self, layer: int, x: Tensor) -> Tensor:
