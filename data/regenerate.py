@@ -1,7 +1,7 @@
 """Regeneration: assistant turns re-written by the target, so the draft imitates the deployed model.
 
 Decoding runs on the project's own runtime (inference/runtime.py: static KV cache, right-padded batches, plain
-decoding, Llama-style targets) in `dtype`, bfloat16 by default: 270 vs 112 tok/s for HF `generate` in float32 on
+decoding, Llama-style targets) in `dtype`, bfloat16 by default: 292 vs 116 tok/s for HF `generate` in float32 on
 SmolLM2, batch 16, 2 CPU threads (eval/regen_bench.py). The text is what the target deployed in that dtype writes;
 greedy bf16 and fp32 continuations can part after a few dozen tokens.
 

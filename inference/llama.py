@@ -55,22 +55,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 # GEMMs here round a row the same for any row count >= GEMM_MIN_ROWS (4 and up agree, 1-3 rows take another kernel:
 # measured on this CPU for 4..48 rows, 512 and 1024 keys), so decoding pads its query rows up to that.
 # The key span is rounded up to SPAN_BLOCK (fewer distinct shapes; static ones for CUDA graphs).
-# Work that needs no equality (regenerating training data) passes row_invariant=False: no padding, real span.
+# Work that needs no equality (regenerating training data) passes row_invariant=False: no padding, real span, and
+# the softmax's own sum.
 QUERY_BLOCK = 16
 SPAN_BLOCK = 512
 GEMM_MIN_ROWS = 8
 
 
-def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, pad_to: int | None = None) -> Tensor:
+def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, exact_rows: int | None = None) -> Tensor:
     """Float32 matmul attention: q [B, nh, T, hd], keys/values [B, kvh, S, hd], mask [B, 1, T, S] bool -> [B, nh, T, hd].
 
     Every sum over keys runs inside a GEMM, the softmax denominator too (a column of ones appended to the values),
     and a GEMM accumulates each output element over the keys in order: a masked key adds an exact zero wherever
     it sits. So a query's output depends only on its visible keys in slot order, not on their slots or the span,
-    once the GEMMs have enough rows (pad_to: the queries padded to that many rows with copies of the last)."""
+    once the GEMMs have enough rows (exact_rows: the queries padded to that many rows with copies of the last).
+    exact_rows=None: no padding and the softmax's own (faster, slot-dependent) sum, for work that needs no equality."""
     B, nh, T, hd = q.shape
     kvh, S = keys.shape[1], keys.shape[2]
-    rows = max(T, pad_to or T)
+    rows = max(T, exact_rows or T)
     if rows > T:
         q = torch.cat([q, q[:, :, -1:].expand(B, nh, rows - T, hd)], dim=2)
         mask = torch.cat([mask, mask[:, :, -1:].expand(B, 1, rows - T, S)], dim=2)
@@ -78,6 +80,8 @@ def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, pad_
     scores = (q.float().reshape(B, kvh, g * rows, hd) @ keys.float().transpose(-1, -2)) * hd**-0.5
     visible = mask.view(B, 1, 1, rows, S).expand(B, kvh, g, rows, S).reshape(B, kvh, g * rows, S)
     scores = scores.masked_fill(~visible, float("-inf"))
+    if exact_rows is None:
+        return (scores.softmax(-1) @ values.float()).view(B, nh, rows, hd).to(q.dtype)
     weights = (scores - scores.amax(-1, keepdim=True)).exp()
     acc = weights @ torch.cat([values.float(), values.new_ones(B, kvh, S, 1, dtype=torch.float32)], -1)
     out = (acc[..., :hd] / acc[..., hd:]).view(B, nh, rows, hd)[:, :, :T]
@@ -133,8 +137,8 @@ class LlamaForward:
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer, k, v, rows, slots, span)  # [B, kvh, S, hd]
         if mask is not None and T <= QUERY_BLOCK and mask.dtype == torch.bool:  # decode / verify (see QUERY_BLOCK)
-            pad_to = -(-GEMM_MIN_ROWS // (self.num_heads // self.kv_heads)) if self.row_invariant else None
-            out = matmul_attention(q, keys, values, mask, pad_to)
+            rows = -(-GEMM_MIN_ROWS // (self.num_heads // self.kv_heads)) if self.row_invariant else None
+            out = matmul_attention(q, keys, values, mask, rows)
         else:  # prefill: SDPA's fused kernels
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                                  enable_gqa=self.kv_heads != self.num_heads)  # [B, nh, T, hd]

@@ -335,13 +335,13 @@ def test_matmul_attention_ignores_where_the_keys_sit():
 
     g = torch.Generator().manual_seed(0)
     nh, kvh, hd, L, dt = 9, 3, 64, 300, torch.bfloat16
-    pad = -(-GEMM_MIN_ROWS // (nh // kvh))
+    rows = -(-GEMM_MIN_ROWS // (nh // kvh))
     keys, values = (torch.randn(1, kvh, L + 4, hd, generator=g).to(dt) for _ in range(2))
     q = torch.randn(1, nh, 1, hd, generator=g).to(dt)
     alone_mask = torch.zeros(1, 1, 1, 512, dtype=torch.bool)
     alone_mask[..., : L + 4] = True
     pad_keys = lambda t, S: torch.cat([t, torch.zeros(1, kvh, S - t.shape[2], hd, dtype=dt)], 2)  # noqa: E731
-    alone = matmul_attention(q, pad_keys(keys, 512), pad_keys(values, 512), alone_mask, pad)
+    alone = matmul_attention(q, pad_keys(keys, 512), pad_keys(values, 512), alone_mask, rows)
 
     T, S, slots = 9, 1024, [1, 4, 5, 8]  # the last 4 keys (3 ancestors + itself) at new-token slots 1, 4, 5, 8
     k_tree, v_tree = (torch.randn(1, kvh, S, hd, generator=g).to(dt) for _ in range(2))
@@ -354,5 +354,5 @@ def test_matmul_attention_ignores_where_the_keys_sit():
         mask[0, 0, 8, L + s] = True
     q_tree = torch.randn(1, nh, T, hd, generator=g).to(dt)
     q_tree[:, :, 8] = q[:, :, 0]
-    in_tree = matmul_attention(q_tree, k_tree, v_tree, mask, pad)[:, :, 8:]
+    in_tree = matmul_attention(q_tree, k_tree, v_tree, mask, rows)[:, :, 8:]
     assert torch.equal(alone, in_tree)
