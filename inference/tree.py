@@ -108,7 +108,6 @@ def accept_tree(
         row = accepted + 1
 
 
-
 def best_first_tree(logp: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """The n highest-scoring nodes of the tree whose depth-d children are every token of logp[d-1] [D, V], a node's
     score being the sum of logp along its path (the log path probability when positions are independent, as in

@@ -30,7 +30,6 @@ class ResBlock(nn.Module):
 class MedusaHeads(nn.Module):
     family = "medusa"
     feature = "final_hidden"
-    parallel = True  # head d reads only the newest feature row: positions are drafted independently (tree drafts)
 
     def __init__(self, hidden_size: int, vocab_size: int, k: int, num_layers: int = 1, share_lm_head: bool = True,
                  draft_vocab_size: int | None = None):

@@ -18,6 +18,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from conf.schema import register_configs
+from inference.sources import path_and_options
+from inference.sources.draft_head import TREE_FAMILIES
 from models.checkpoint import read_draft_config
 from models.errors import DraftheadsError
 
@@ -60,13 +62,10 @@ def run(cfg: DictConfig) -> dict:
     return report
 
 
-TREE_FAMILIES = ("peagle", "medusa")  # positions drafted independently: one forward gives a token tree
-
-
 def source_label(spec: str) -> str:
     """'head:DIR,tree=1' -> 'head[tree=1]': the source's name and options, without its path."""
     name, _, arg = spec.partition(":")
-    options = arg.partition(",")[2] if name in ("head", "draft_file") else arg
+    options = path_and_options(arg)[1] if name in ("head", "draft_file") else arg
     return f"{name}[{options}]" if options else name
 
 

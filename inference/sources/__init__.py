@@ -35,6 +35,12 @@ def parse_kwargs(arg: str | None, spec: str, allowed: dict[str, type]) -> dict:
     return kwargs
 
 
+def path_and_options(arg: str | None) -> tuple[str, str]:
+    """'PATH,key=value,...' (draft_file, head) -> (PATH, 'key=value,...'); either may be empty."""
+    path, _, options = (arg or "").partition(",")
+    return path, options
+
+
 def prompt_lookup_source(arg: str | None, target) -> DraftSource:
     from inference.sources.prompt_lookup import PromptLookup
 
@@ -69,7 +75,7 @@ def source_layer_ids(spec: str) -> list[int] | None:
         return None
     from models.checkpoint import read_draft_config
 
-    return list(read_draft_config(arg.partition(",")[0])["target"]["layer_ids"])  # 'DIR,tree=1' -> DIR
+    return list(read_draft_config(path_and_options(arg)[0])["target"]["layer_ids"])
 
 
 def build_source(spec: str, target) -> DraftSource:

@@ -111,10 +111,10 @@ class DraftFileSource:
 
 def draft_file_source(arg: str | None, target) -> DraftFileSource:
     """Registry factory: 'PATH' or 'PATH,tree=1,prompt_lookup=0,prompt_min_ngram=2,prompt_max_ngram=3'."""
-    from inference.sources import parse_kwargs
+    from inference.sources import parse_kwargs, path_and_options
     from models.errors import DraftheadsError
 
-    path, _, rest = (arg or "").partition(",")
+    path, rest = path_and_options(arg)
     if not path:
         raise DraftheadsError("draft source 'draft_file' needs a file: write draft_file:PATH.dfl "
                               "(build one with `python -m data.draft_file build`)")

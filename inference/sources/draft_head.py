@@ -19,11 +19,14 @@ from models.errors import DraftheadsError
 from models.peagle import DraftCache
 
 
+TREE_FAMILIES = ("peagle", "medusa")  # positions drafted independently (eagle3 is the chain): one forward ranks a tree
+
+
 class DraftHeadSource:
     needs_features = True
 
     def __init__(self, head, name: str, seed: int = 0, tree: bool = False, depth: int | None = None):
-        if tree and not getattr(head, "parallel", False):
+        if tree and head.family_name not in TREE_FAMILIES:
             raise DraftheadsError(f"draft source '{name}': tree=1 needs a head that drafts its positions independently "
                                   f"(P-EAGLE with parallel: true, or Medusa); this {head.family_name} head drafts one "
                                   "chain, so drop tree=1")
@@ -76,9 +79,9 @@ class DraftHeadSource:
 
 def head_source(arg: str | None, target) -> DraftHeadSource:
     """Factory for the source registry: 'head:DIR' or 'head:DIR,tree=1,depth=5' (DIR written by training: out_dir/head)."""
-    from inference.sources import parse_kwargs
+    from inference.sources import parse_kwargs, path_and_options
 
-    path, _, rest = (arg or "").partition(",")
+    path, rest = path_and_options(arg)
     if not path:
         raise DraftheadsError("draft source 'head' needs a checkpoint directory: write head:DIR (e.g. head:outputs/run/head)")
     kw = parse_kwargs(rest, f"head:{arg}", {"tree": int, "depth": int})
