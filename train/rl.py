@@ -23,6 +23,7 @@ objective itself (val_expected_accepted, val_reward, val_alpha_k), logged next t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -92,6 +93,13 @@ def exact_accepted(p_tok: Tensor, q_tok: Tensor, g: torch.Generator) -> Tensor:
 def expected_accepted(alpha: Tensor) -> Tensor:
     """[B]: sum_k prod_{j<=k} alpha_j for alpha [B, K]."""
     return alpha.cumprod(1).sum(1)
+
+
+@functools.lru_cache(maxsize=1)
+def scorer_for(target) -> LlamaForward:
+    """The frozen target's compact forward, built once per target: training and held-out validation share it (on CPU
+    each LlamaForward packs its own copy of the float32 weights)."""
+    return LlamaForward(target)
 
 
 @torch.no_grad()
@@ -200,7 +208,7 @@ def acceptance_stats(expected: Tensor, reward: Tensor, alpha: Tensor, serve_t: f
 
 
 def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
-    scorer = LlamaForward(target)
+    scorer = scorer_for(target)
 
     def step_fn(micro: int, temperature: float):
         g = torch.Generator().manual_seed(tc.seed * BLOCK_SEED + micro)
@@ -244,7 +252,7 @@ def rl_validation_fn(head, target, holdout, tc, k: int, device) -> Callable[[], 
     objective itself on every held-out sequence (up to rl_anchors blocks each, sequences without a usable anchor
     skipped), pooled over blocks. Anchors and draws come from fixed seeds apart from training's, so two calls on the
     same head give the same numbers. T is train.rl_temperature, else the schedule's end temperature."""
-    scorer = LlamaForward(target)
+    scorer = scorer_for(target)
     serve_t = tc.temperature.end if tc.rl_temperature is None else tc.rl_temperature
 
     @torch.no_grad()
