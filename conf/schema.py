@@ -18,6 +18,7 @@ class TargetConfig:
     path: Optional[str] = None  # local model directory or .gguf file
     layer_ids: Optional[list[int]] = None  # hidden states entering these decoder layers; None = (2, L//2, L-3)
     dtype: str = "float32"
+    config: Optional[str] = None  # a config.json to plan with (train.dry_run) when the weights are not here
 
 
 @dataclass
@@ -98,6 +99,7 @@ class TrainConfig:
     resume: bool = True  # resume from the newest checkpoint in the output directory
     wandb: bool = False
     wandb_project: str = "draftheads"
+    dry_run: bool = False  # print the memory / data plan (target and head built on the meta device) and stop
 
 
 @dataclass
@@ -120,8 +122,16 @@ class RuntimeConfig:
 
 @dataclass
 class AccelerateConfig:
-    config_file: Optional[str] = None  # an accelerate config (DeepSpeed ZeRO / FSDP) for multi-GPU runs
-    num_processes: int = 1
+    """How many processes train and how the head is spread over them (train/distributed.py reads this, nothing else:
+    the Hydra group is the one source of truth; no separate accelerate yaml)."""
+    strategy: str = "single"  # single | ddp | fsdp | zero2 | zero3 (DeepSpeed ZeRO through accelerate)
+    num_processes: int = 1  # processes per machine (one per GPU); > 1 and not yet launched: train.distill runs torchrun
+    num_machines: int = 1
+    machine_rank: int = 0  # this machine's index (multi-node: run the same command on every machine)
+    main_process_ip: str = "127.0.0.1"
+    main_process_port: int = 29500
+    offload: bool = False  # zero2 / zero3 / fsdp: optimizer states (zero3, fsdp: parameters too) live in CPU RAM
+    timeout_minutes: int = 720  # how long a rank waits at a barrier (e.g. for rank 0's data stage) before failing
 
 
 @dataclass

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU measurement of the runtime (draftheads issue 5) in under 8 minutes on one GPU, offline (no registry).
+# GPU measurement of the runtime and of training, in under 9 minutes on one GPU, offline (no registry).
 #
 #   bash eval/gpu_check.sh [OUT_DIR]          # default outputs/gpu_check
 #
@@ -45,6 +45,11 @@ step() {  # step NAME SECONDS CMD...: run with a timeout, log, keep the last JSO
 
 step env 30 $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, \
 transformers.__version__, torch.cuda.get_device_name(0))"
+# training reads Hydra's schemas: install hydra-core / omegaconf from the shared wheels when the image lacks them
+WHEELS=${WHEELS:-}
+for w in shared/wheels ../shared/wheels; do [ -z "$WHEELS" ] && [ -d "$w" ] && WHEELS=$w; done
+$PY -c "import hydra" 2>/dev/null || { [ -n "$WHEELS" ] && $PY -m pip install -q --no-index --find-links "$WHEELS" \
+  hydra-core omegaconf > "$OUT/deps.log" 2>&1; }
 # kernels vs references on the GPU, and the CPU test suite of the runtime under this image's torch
 step kernels 50 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py
 step unit 60 $PY -m pytest -q -p no:cacheprovider -x tests/test_runtime.py tests/test_tree.py tests/test_schedulers.py
@@ -74,4 +79,10 @@ step batch8_graphs 50 $PY -m eval.speedup $COMMON --dtype float32 --max-new $MAX
   --modes plain,spec --check-lossless
 # torch.compile(mode="reduce-overhead") last: its compile time is the least predictable
 step compile_fp32 70 $PY -m eval.speedup $COMMON --dtype float32 --max-new $((MAX_NEW / 2)) --limit $((LIMIT / 2 + 1)) --compile --modes plain,spec
+# training on the GPU (bf16 autocast): tokens/s and peak memory next to the dry-run plan's estimate, then the same
+# through accelerate's FSDP2 path (one process: the wrapped forward, full state dict gathered for saving)
+TRAIN="--device cuda --mixed-precision bf16 --family peagle --layers 1 --k 8 --batch 8 --length 2048 --steps 20 --threads 4"
+step train_single 90 $PY -m eval.train_bench $TARGET_ARGS $TRAIN
+step train_fsdp 90 $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m eval.train_bench $TARGET_ARGS \
+  $TRAIN --strategy fsdp
 echo "== done in $(( $(date +%s) - start ))s; summary: $OUT/summary.jsonl"

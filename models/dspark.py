@@ -27,13 +27,14 @@ from torch import Tensor, nn
 
 from models.draft_vocab import DraftVocab
 from models.errors import DraftheadsError
+from models.layers import TrainableHead
 from models.peagle import (DecoderLayer, DraftCache, DraftTrainOutput, PEagleDrafter, RMSNorm, apply_rotary,
                            head_rope_scaling, rotary, target_layer_sizes)
 
 SEQUENTIAL = ("markov", "rnn", "none")
 
 
-class DSparkDrafter(nn.Module):
+class DSparkDrafter(TrainableHead):
     feature = "aux_hidden"  # which DraftContext features draft_logits reads
 
     # target wiring and the draft-vocab head are P-EAGLE's (same attributes: _shared, lm_head, d2t, t2d)
@@ -182,7 +183,6 @@ class DSparkDrafter(nn.Module):
         rows = hidden[b_idx[keep], block_of[keep], plan.depth[keep] - 1]
         return DraftTrainOutput(rows, b_idx[keep], plan.anchor[keep], plan.depth[keep])
 
-    forward = train_forward  # the trainer calls head(batch, plan) so DDP / FSDP wrappers see the forward
 
     # -- inference -------------------------------------------------------------------------------
     @torch.no_grad()

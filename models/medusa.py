@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.errors import DraftheadsError
+from models.layers import TrainableHead
 from models.peagle import DraftTrainOutput, PEagleDrafter
 
 
@@ -27,7 +28,7 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(TrainableHead):
     family = "medusa"
     feature = "final_hidden"
 
@@ -98,7 +99,6 @@ class MedusaHeads(nn.Module):
         hidden = self._per_depth(h, depth, lambda d, x: self.blocks[d - 1](x), h.shape[-1])
         return DraftTrainOutput(hidden, b_idx, anchor, depth)
 
-    forward = train_forward  # the trainer calls head(batch, plan) so DDP / FSDP wrappers see the forward
 
     @torch.no_grad()
     def draft_logits(self, tokens: Tensor, final_hidden: Tensor, cache, k: int, sample_fn=None) -> Tensor:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from models.draft_vocab import DraftVocab
 from models.errors import DraftheadsError
-from models.layers import rms_norm, rotate_half
+from models.layers import TrainableHead, rms_norm, rotate_half
 
 
 class RMSNorm(nn.Module):
@@ -188,7 +188,7 @@ class DraftTrainOutput:
     depth: Tensor  # [N] 1..K
 
 
-class PEagleDrafter(nn.Module):
+class PEagleDrafter(TrainableHead):
     family = "peagle"
     feature = "aux_hidden"  # which DraftContext features draft_logits reads
 
@@ -321,7 +321,6 @@ class PEagleDrafter(nn.Module):
         """hidden [N, H] from train_forward -> logits [N, V_draft]."""
         return self.logits(hidden)
 
-    forward = train_forward  # the trainer calls head(batch, plan) so DDP / FSDP wrappers see the forward
 
     # -- inference -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -188,7 +188,7 @@ def load_target(
         model, tok = tiny_random_llama()
     else:
         directory = resolve_target_dir(name, path)
-        model, tok = _load_dir(directory, torch_dtype)
+        model, tok = _load_dir(directory, torch_dtype, device)
     return Target(model.to(device=device, dtype=torch_dtype), tok, name, tuple(layer_ids) if layer_ids else None)
 
 
@@ -263,10 +263,12 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from None
 
 
-def _load_dir(directory: Path, torch_dtype: torch.dtype):
+def _load_dir(directory: Path, torch_dtype: torch.dtype, device: str = "cpu"):
+    """Weights go from the safetensors files straight onto `device` (no full copy in host RAM first)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, local_files_only=True)
+    placement = {} if device == "cpu" else {"device_map": {"": device}}
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, local_files_only=True, **placement)
     tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return model, tok
 

@@ -35,7 +35,8 @@ def test_every_experiment_composes(name):
 def test_peagle_70b_settings():
     cfg = _compose(["+experiment=peagle_70b"])
     assert list(cfg.target.layer_ids) == [2, 40, 77] and cfg.draft.num_layers == 4
-    assert cfg.accelerate.config_file and (CONF.parent / cfg.accelerate.config_file).is_file()
+    assert cfg.accelerate.strategy == "zero3" and cfg.accelerate.num_processes == 8
+    assert (CONF.parent / cfg.target.config).is_file()
 
 
 @pytest.mark.parametrize("override", ["train.stepz=3", "draft.k=five", "data.nope=1"])

@@ -3,6 +3,10 @@
 One run = resolve the target (fail fast if it is not available) → data stage (read, regenerate, tokenize,
 extract features) → training stages (soft labels, then acceptance-rate RL) → τ table on held-out prompts.
 Every stage resumes from what is already in the run's output directory.
+
+`accelerate.num_processes > 1` (or `+experiment=peagle_70b`): the command re-executes itself under torchrun with the
+same arguments (train/distributed.py); the data stage and every file are the main process's, training is every rank's.
+`train.dry_run=true` prints the memory and data plan (train/plan.py) without loading weights.
 """
 
 from __future__ import annotations
@@ -27,38 +31,51 @@ register_configs()
 
 
 def run(cfg: DictConfig) -> dict:
+    """One run in this process (one rank of N when launched by torchrun): the main process writes every file."""
     from data.prepare import prepare_data
     from models.target import load_target
+    from train.distributed import die_with_launcher, make_accelerator
 
-    torch.set_num_threads(cfg.runtime.threads)
+    die_with_launcher()
+    accelerator = make_accelerator(cfg.accelerate, cfg.train, cfg.runtime.device)  # the process group exists from here
+    main = accelerator.is_main_process
+    threads = max(1, cfg.runtime.threads // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # the machine's cores, shared
+    torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-
-    target = load_target(cfg.target.name, cfg.target.path, cfg.target.layer_ids, cfg.target.dtype, cfg.runtime.device)
-    print(f"[draftheads] target {target.name}: {target.num_layers} layers, hidden {target.hidden_size}, "
-          f"vocab {target.vocab_size}, features from layers {list(target.layer_ids)}")
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    target = load_target(cfg.target.name, cfg.target.path, cfg.target.layer_ids, cfg.target.dtype, str(accelerator.device))
+    if main:
+        print(f"[draftheads] target {target.name}: {target.num_layers} layers, hidden {target.hidden_size}, "
+              f"vocab {target.vocab_size}, features from layers {list(target.layer_ids)}; "
+              f"{accelerator.num_processes} process(es) x {threads} thread(s), strategy {cfg.accelerate.strategy}")
     d = cfg.data
-    report = {"data": prepare_data(
-        target, out / "data", source=d.source, path=d.path, max_records=d.max_records, skip_records=d.skip_records,
-        max_length=d.max_length, overlong=d.overlong, regen=d.regenerate, regen_max_new=d.regen_max_new,
-        regen_turns=d.regen_turns, regen_batch_size=d.regen_batch_size, regen_temperature=d.regen_temperature,
-        regen_dtype=d.regen_dtype,
-        features=d.features, shard_tokens=d.shard_tokens, seed=cfg.train.seed)}
-    print("[draftheads] data:", json.dumps(report["data"]))
+    if main:  # the data stage runs once; the other ranks wait, then read what it wrote
+        prepare_data(
+            target, out / "data", source=d.source, path=d.path, max_records=d.max_records, skip_records=d.skip_records,
+            max_length=d.max_length, overlong=d.overlong, regen=d.regenerate, regen_max_new=d.regen_max_new,
+            regen_turns=d.regen_turns, regen_batch_size=d.regen_batch_size, regen_temperature=d.regen_temperature,
+            regen_dtype=d.regen_dtype, features=d.features, shard_tokens=d.shard_tokens, seed=cfg.train.seed)
+    accelerator.wait_for_everyone()
+    report = {"data": json.loads((out / "data" / "data_report.json").read_text())}
+    if main:
+        print("[draftheads] data:", json.dumps(report["data"]))
     sources = list(cfg.eval.sources)
     if cfg.train.stages and d.features:
         from train.trainer import train_draft
 
-        report["head"] = str(train_draft(cfg, target, out / "data" / "features", out))
+        report["head"] = str(train_draft(cfg, target, out / "data" / "features", out, accelerator=accelerator))
         sources.append(f"head:{report['head']}")
         if cfg.eval.head_tree and read_draft_config(report["head"])["family"] in TREE_FAMILIES:
             sources.append(f"head:{report['head']},tree=1")
-    if cfg.eval.limit != 0 and sources:
-        report["eval"] = evaluate(cfg, sources, out / "eval")
-    (out / "run_report.json").write_text(json.dumps(report, indent=1))
-    print(f"[draftheads] outputs in {out}/")
+    if main:
+        if cfg.eval.limit != 0 and sources:
+            report["eval"] = evaluate(cfg, sources, out / "eval")
+        (out / "run_report.json").write_text(json.dumps(report, indent=1))
+        print(f"[draftheads] outputs in {out}/")
+    accelerator.wait_for_everyone()
     return report
 
 
@@ -103,7 +120,18 @@ def evaluate(cfg: DictConfig, sources: list[str], out: Path) -> list[dict]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from train.distributed import relaunch
+
     try:
+        if cfg.train.dry_run:  # the plan for the configured processes, from this one process
+            from train.plan import print_plan
+
+            print_plan(cfg)
+            return
+        from hydra.core.hydra_config import HydraConfig
+
+        # more than one process asked for: exec torchrun over these arguments, the workers in this run's Hydra dir
+        relaunch(cfg.accelerate, sys.argv[1:], HydraConfig.get().runtime.output_dir, cfg.runtime.device)
         run(cfg)
     except DraftheadsError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Stage 2: acceptance-rate RL, on-policy, through the same loop as stage 1 (train/trainer.py run_loop).
+"""Stage 2: acceptance-rate RL, on-policy, through the same loop as stage 1 (train/loop.py run_stage).
 
 One step, for B sequences of the feature set:
   1. pick up to rl_anchors distinct anchors a inside the trained (assistant) span, a + 2 <= rl_max_context;
@@ -24,9 +24,9 @@ objective itself (val_expected_accepted, val_reward, val_alpha_k), logged next t
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,9 @@ from models.checkpoint import FAMILIES
 from models.errors import DraftheadsError
 from models.peagle import DraftCache
 from train.cod import CodPlan
-from train.trainer import _unwrap, batch_indices, run_loop
+from train.distributed import full_parameters
+from train.loop import Shard, Stage, Tally, run_stage
+from train.trainer import batch_indices, soft_label_loss, validation_fn
 
 BLOCK_SEED = 2_000_003
 HOLDOUT_SEED = 1_000_000_007  # rl_validation_fn's draws: offset far past any training micro-step
@@ -146,11 +148,10 @@ class Rollout:
     tokens: int  # context + block tokens the target read
 
 
-def rollout(head, scorer: LlamaForward, items: list[dict], anchor_lists: list[list[int]], tc, k: int,
+def rollout(model, core, scorer: LlamaForward, items: list[dict], anchor_lists: list[list[int]], tc, k: int,
             serve_t: float, g: torch.Generator, device) -> Rollout:
     """Steps 2-4 of the module docstring for the sequences `items` at their sorted `anchor_lists`, up to the loss: the
     head's q keeps its graph when grad is enabled (training); the draws (blocks, then the exact rule's u) come from g."""
-    core = _unwrap(head)
     B, M = len(items), max(len(a) for a in anchor_lists)
     anchors = torch.tensor([a + [a[-1]] * (M - len(a)) for a in anchor_lists], device=device)  # padding repeats
     valid = torch.tensor([[m < len(a) for m in range(M)] for a in anchor_lists], device=device)  # [B, M]
@@ -165,7 +166,7 @@ def rollout(head, scorer: LlamaForward, items: list[dict], anchor_lists: list[li
         return tok
 
     y = torch.zeros(B, M, k, dtype=torch.long)
-    with torch.no_grad():
+    with torch.no_grad(), full_parameters(core):  # the head's inference path runs outside its forward
         for b, item in enumerate(items):
             cache = DraftCache()  # anchors ascend, so the head's context cache only grows
             for m, a in enumerate(anchor_lists[b]):
@@ -185,7 +186,7 @@ def rollout(head, scorer: LlamaForward, items: list[dict], anchor_lists: list[li
     # 4. the head's q on the sampled tokens (training == inference numerics)
     batch, plan = block_batch(items, contexts, anchors, valid, y)
     q_t = serve_t if serve_t > 0 else 1.0  # greedy serving: the head's own distribution (KL, REINFORCE)
-    logits = block_logits(core, head(batch, plan), anchors, valid, k)  # [N, K, V]
+    logits = model(batch, plan, lambda head, out: block_logits(head, out, anchors, valid, k))  # [N, K, V]
     log_q = F.log_softmax(logits / q_t, -1)
     q = log_q.exp()
     q_alpha = q if serve_t > 0 else F.softmax(logits / tc.rl_surrogate_temperature, -1)
@@ -207,10 +208,11 @@ def acceptance_stats(expected: Tensor, reward: Tensor, alpha: Tensor, serve_t: f
     return stats
 
 
-def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
+def rl_step_fn(core, reference, target, dataset, tc, k: int, device):
+    """The loop's step function; `core` is the head module itself (the loop passes its wrapped form as `model`)."""
     scorer = scorer_for(target)
 
-    def step_fn(micro: int, temperature: float):
+    def step_fn(model, micro: int, temperature: float):
         g = torch.Generator().manual_seed(tc.seed * BLOCK_SEED + micro)
         serve_t = temperature if tc.rl_temperature is None else tc.rl_temperature
         items, anchor_lists = [], []
@@ -227,7 +229,7 @@ def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
                 raise _no_anchor_error(tc)
             items.append(item)
             anchor_lists.append(picked)
-        r = rollout(head, scorer, items, anchor_lists, tc, k, serve_t, g, device)
+        r = rollout(model, core, scorer, items, anchor_lists, tc, k, serve_t, g, device)
         N = r.reward.numel()
         loss = -r.expected.mean()
         if serve_t > 0 and tc.rl_pg_weight > 0:
@@ -247,32 +249,41 @@ def rl_step_fn(head, reference, target, dataset, tc, k: int, device):
     return step_fn
 
 
-def rl_validation_fn(head, target, holdout, tc, k: int, device) -> Callable[[], dict]:
-    """() -> {"val_expected_accepted", "val_reward", "val_alpha_1".., "val_serve_temperature", "val_blocks"}: the RL
-    objective itself on every held-out sequence (up to rl_anchors blocks each, sequences without a usable anchor
-    skipped), pooled over blocks. Anchors and draws come from fixed seeds apart from training's, so two calls on the
-    same head give the same numbers. T is train.rl_temperature, else the schedule's end temperature."""
+def rl_validation_fn(head, target, holdout, tc, k: int, device):
+    """validate(model=head, shard) -> {"val_expected_accepted", "val_reward", "val_alpha_1"..,
+    "val_serve_temperature", "val_blocks"}: the RL objective itself on every held-out sequence (up to rl_anchors blocks
+    each, sequences without a usable anchor skipped), pooled over blocks; chunks split over ranks. Anchors and draws
+    come from fixed seeds apart from training's, so two calls on the same head give the same numbers. T is
+    train.rl_temperature, else the schedule's end temperature."""
     scorer = scorer_for(target)
     serve_t = tc.temperature.end if tc.rl_temperature is None else tc.rl_temperature
+    n_chunks = math.ceil(len(holdout) / tc.batch_size)
 
     @torch.no_grad()
-    def validate() -> dict:
-        expected, reward, alpha = [], [], []
-        for chunk, start in enumerate(range(0, len(holdout), tc.batch_size)):
+    def validate(model=None, shard: Shard = Shard()) -> dict:
+        tally = Tally()
+        for chunk, real in shard.calls(n_chunks):
             g = torch.Generator().manual_seed(tc.seed * BLOCK_SEED + HOLDOUT_SEED + chunk)
+            start = chunk * tc.batch_size
             items = [holdout[i] for i in range(start, min(start + tc.batch_size, len(holdout)))]
             picked = [(it, pick_anchors(it, tc.rl_anchors, tc.rl_max_context, g)) for it in items]
             picked = [(it, a) for it, a in picked if a]
             if not picked:
                 continue
-            r = rollout(head, scorer, [it for it, _ in picked], [a for _, a in picked], tc, k, serve_t, g, device)
-            expected.append(r.expected)
-            reward.append(r.reward)
-            alpha.append(r.alpha)
-        if not expected:
+            r = rollout(head if model is None else model, head, scorer, [it for it, _ in picked],
+                        [a for _, a in picked], tc, k, serve_t, g, device)
+            if real:
+                n = r.reward.numel()
+                tally.add("val_blocks", n)
+                tally.add("val_expected_accepted", float(r.expected.sum()), n)
+                tally.add("val_reward", float(r.reward.sum()), n)
+                for d in range(k):
+                    tally.add(f"val_alpha_{d + 1}", float(r.alpha[:, d].sum()), n)
+        means = shard.reduce(tally)
+        if not means.get("val_blocks"):
             raise _no_anchor_error(tc, "held-out ")
-        stats = acceptance_stats(torch.cat(expected), torch.cat(reward), torch.cat(alpha), serve_t)
-        return {f"val_{key}": round(v, 6) if isinstance(v, float) else v for key, v in stats.items()}
+        return {**{key: round(v, 6) for key, v in means.items()}, "val_blocks": int(means["val_blocks"]),
+                "val_serve_temperature": serve_t}
 
     return validate
 
@@ -317,23 +328,25 @@ def block_logits(core, out, anchors: Tensor, valid: Tensor, k: int) -> Tensor:
     return logits.view(-1, k, logits.shape[-1])
 
 
-def train_rl(cfg, head, target, dataset, out: Path, metrics_path: Path, wandb_run=None, stop_at_step=None,
-             validate=None):
-    """Stage 2 from `head` (the stage-1 result); returns (head, last metrics), or (None, ...) on a simulated kill.
-    validate: the held-out metrics (val_tau_est, and rl_validation_fn's val_expected_accepted / val_reward), logged at
-    step 0, every train.eval_every steps and at the end."""
-    tc = cfg.train
-    if not cfg.train.rl_steps:
-        return head, {}
-    reference = frozen_copy(_unwrap(head), target)
-    step_fn = rl_step_fn(head, reference, target, dataset, tc, _unwrap(head).k, target.device)
-    metrics = run_loop(head, step_fn, steps=tc.rl_steps, lr=tc.rl_lr, warmup=min(tc.warmup_steps, tc.rl_steps // 5),
-                       weight_decay=tc.weight_decay, max_grad_norm=tc.max_grad_norm, grad_accum=tc.grad_accum,
-                       mixed_precision=tc.mixed_precision, ckpt_root=out / "checkpoints_rl",
-                       checkpoint_every=tc.checkpoint_every, log_every=tc.log_every, metrics_path=metrics_path,
-                       stage="rl", temperature_cfg=tc.temperature, resume=tc.resume, cpu=target.device.type == "cpu",
-                       wandb_run=wandb_run, stop_at_step=stop_at_step, validate=validate, eval_every=tc.eval_every,
-                       keep_best=False)
-    if stop_at_step is not None and stop_at_step < tc.rl_steps:
-        return None, metrics
-    return head, metrics
+def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, stop_at_step=None):
+    """Stage 2 from `head` (the stage-1 result): run_stage's (finished, state, metrics). With held-out sequences it
+    logs, at step 0, every train.eval_every steps and at the end, stage 1's val_tau_est and the RL objective itself
+    (rl_validation_fn)."""
+    tc, k = cfg.train, head.k
+    if not tc.rl_steps:
+        return True, ({n: v.detach().cpu() for n, v in head.state_dict().items()} if accelerator.is_main_process
+                      else None), {}
+    reference = frozen_copy(head, target)
+    validate = None
+    if holdout is not None:
+        tau_est = validation_fn(soft_label_loss(target, tc, k, head.family_name, target.device), holdout,
+                                tc.batch_size, k)
+        on_policy = rl_validation_fn(head, target, holdout, tc, k, target.device)
+
+        def validate(model, shard: Shard) -> dict:
+            return {**tau_est(model, shard), **on_policy(model, shard)}
+
+    stage = Stage("rl", tc.rl_steps, tc.rl_lr, min(tc.warmup_steps, tc.rl_steps // 5),
+                  rl_step_fn(head, reference, target, dataset, tc, k, target.device), out / "checkpoints_rl", validate,
+                  keep_best=False)
+    return run_stage(accelerator, head, stage, tc, log, stop_at_step)

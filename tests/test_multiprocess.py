@@ -1,0 +1,168 @@
+"""Two CPU processes (gloo) against one: disjoint batches that add up to the single-process global batch, the same
+loss curve, the data stage run once, one copy of every output, and kill -9 of the launcher resumed exactly."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _worker(out: Path, grad_accum: int, strategy: str):
+    cmd = [*(TORCHRUN if strategy != "single" else [sys.executable]), "tests/multiprocess_worker.py", str(out),
+           str(grad_accum), strategy]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: global batch = 2 micro-batches x 2 sequences in one process."""
+    return _worker(tmp_path_factory.mktemp("one"), grad_accum=2, strategy="single")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_two_ranks_read_the_single_process_global_batch_and_follow_its_curve(one_process, tmp_path, strategy):
+    """The same global batch over 2 ranks (data parallel, DeepSpeed ZeRO-2 and ZeRO-3 on gloo): same curve, same head
+    (ZeRO-3's is gathered from shards onto the main process)."""
+    if strategy != "ddp":
+        pytest.importorskip("deepspeed")
+    one, two = one_process, _worker(tmp_path / "two", grad_accum=1, strategy=strategy)
+    ref = json.loads((one / "batches_rank0.json").read_text())
+    ranks = [json.loads((two / f"batches_rank{r}.json").read_text()) for r in (0, 1)]
+    micros = [{b["micro"] for b in rank} for rank in ranks]
+    assert micros[0].isdisjoint(micros[1]) and len(micros[0]) == len(micros[1]) == 8
+    assert micros[0] | micros[1] == {b["micro"] for b in ref} == set(range(16))
+    by_micro = {b["micro"]: b["ids"] for rank in ranks for b in rank}
+    for b in ref:  # optimizer step s reads micro-batches 2s and 2s+1 in both runs: same sequences
+        assert by_micro[b["micro"]] == b["ids"]
+    a, b = _rows(one / "metrics.jsonl"), _rows(two / "metrics.jsonl")
+    assert [(r["stage"], r["step"], "val_loss" in r) for r in a] == [(r["stage"], r["step"], "val_loss" in r) for r in b]
+    for ra, rb in zip(a, b):  # float tolerance: gradients averaged by all-reduce vs summed by accumulation
+        for key in ("loss", "val_loss", "val_tau_est", "acc_1"):
+            if key in ra:
+                assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-6), (ra, rb)
+    wa, wb = load_file(one / "head" / "model.safetensors"), load_file(two / "head" / "model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5)
+
+
+def _distill(out: Path, *extra, env=None):
+    args = [sys.executable, "-m", "train.distill", "+experiment=smoke", f"output_dir={out}", "accelerate=ddp",
+            "accelerate.num_processes=2", "runtime.threads=2", "data.max_records=12", "train.steps=10",
+            "train.checkpoint_every=3", "train.log_every=1", "eval.limit=0", *extra]
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _finish(proc) -> None:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+
+
+def _processes_writing(out: Path) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and f"output_dir={out}".encode() in (d / "cmdline").read_bytes():
+                found.append(int(d.name))
+        except OSError:
+            pass
+    return found
+
+
+def test_launch_kill_9_and_relaunch_continue_the_curve_with_one_copy_of_every_output(tmp_path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    _finish(_distill(full))
+    records = [json.loads(x) for x in (full / "data" / "regenerated.jsonl").read_text().splitlines()]
+    assert len(records) == len({r["id"] for r in records}) == json.loads(
+        (full / "data" / "data_report.json").read_text())["regenerate"]["records"]  # the data stage ran once
+    shutil.copytree(full / "data", killed / "data")  # the same data: nothing is regenerated
+
+    proc = _distill(killed, env={"DRAFTHEADS_TEST_STEP_SLEEP": "0.4"})
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        m = killed / "metrics.jsonl"
+        if m.exists() and any(r.get("step", 0) >= 5 for r in _rows(m) if r.get("stage") == "soft_label"):
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("the slowed run never reached step 5")
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher (torchrun, exec'd by train.distill)
+    proc.communicate()
+    time.sleep(1.0)
+    assert _processes_writing(killed) == []  # its workers died with it
+    assert not (killed / "head").exists()
+    _finish(_distill(killed))
+
+    a, b = _rows(full / "metrics.jsonl"), _rows(killed / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 11))  # every step once
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6, abs=1e-7)
+    wa, wb = load_file(full / "head" / "model.safetensors"), load_file(killed / "head" / "model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-6, atol=1e-7)
+    for run, launches in ((full, 1), (killed, 2)):  # one Hydra directory per launch, not one per rank
+        assert len(list((run / "hydra").iterdir())) == launches
+        assert not list(run.rglob("*.tmp"))
+        assert (run / "run_report.json").is_file() and (run / "resolved_config.yaml").is_file()
+
+
+def _compose(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from conf.schema import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_the_accelerate_group_is_the_one_source_of_strategy_and_launch():
+    from train.distributed import strategy_plugins, torchrun_command
+
+    assert strategy_plugins(_compose("accelerate=ddp").accelerate, _compose().train) == {}
+    fsdp = _compose("accelerate=fsdp")
+    plugin = strategy_plugins(fsdp.accelerate, fsdp.train)["fsdp_plugin"]
+    assert plugin.fsdp_version == 2 and plugin.transformer_cls_names_to_wrap == ["DecoderLayer"]
+    if pytest.importorskip("deepspeed"):
+        cfg = _compose("+experiment=peagle_70b")
+        ds = strategy_plugins(cfg.accelerate, cfg.train)["deepspeed_plugin"]
+        assert ds.zero_stage == 3 and ds.deepspeed_config["train_micro_batch_size_per_gpu"] == cfg.train.batch_size
+        assert ds.deepspeed_config["gradient_accumulation_steps"] == cfg.train.grad_accum == 32  # one setting
+    cmd = torchrun_command(_compose("accelerate=ddp").accelerate, ["+experiment=smoke", "hydra.run.dir=x"], "RUN")
+    assert cmd[3:5] == ["--nproc_per_node=2", "--standalone"] and cmd[-1] == "hydra.run.dir=RUN"
+    assert cmd.count("hydra.run.dir=x") == 0 and "+experiment=smoke" in cmd
+    multi = _compose("accelerate=zero3", "accelerate.num_machines=2", "accelerate.machine_rank=1",
+                     "accelerate.main_process_ip=10.0.0.1").accelerate
+    cmd = torchrun_command(multi, [], "RUN")
+    assert {"--nproc_per_node=8", "--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1"} <= set(cmd)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("accelerate.strategy=zero4",), "accelerate.strategy 'zero4' is not one of"),
+    (("accelerate.num_processes=2",), "accelerate.strategy=single runs one process, not 2"),
+    (("accelerate=fsdp", "runtime.device=cpu"), "accelerate.strategy=fsdp shards over GPUs"),
+    (("accelerate=ddp", "accelerate.machine_rank=3"), "accelerate.machine_rank=3 must be in 0..0"),
+])
+def test_bad_process_settings_are_one_clear_line(overrides, message, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "train.distill", "+experiment=smoke", f"output_dir={tmp_path}", *overrides],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert message in r.stderr.strip().splitlines()[-1]

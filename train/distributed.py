@@ -1,0 +1,170 @@
+"""Processes: launching them, the accelerator that joins them, and the parameters a sharded head gathers.
+
+`python -m train.distill ... accelerate=ddp accelerate.num_processes=N` is the one launch command: when it is not yet
+running under a launcher it replaces itself (exec) with `torchrun` over the same arguments, so the Hydra `accelerate`
+group is the only place the process count and strategy are written. Each worker asks the kernel to kill it when its
+launcher dies (kill -9 of the command a user started leaves no orphan training on).
+
+Strategies (conf/accelerate/*.yaml), all through `accelerate.Accelerator`:
+  single  one process;
+  ddp     every process holds the whole head, gradients are all-reduced (gloo on CPU, NCCL on GPUs);
+  fsdp    FSDP2 (fully_shard), one unit per draft decoder layer; GPUs only (accelerate runs CPU groups as ddp);
+  zero2   DeepSpeed ZeRO-2: gradients and optimizer states sharded;
+  zero3   DeepSpeed ZeRO-3: parameters too; the saved head is one full state dict gathered on the main process.
+DeepSpeed also runs on CPU (gloo; DeepSpeed's CPU accelerator, which builds a small C++ op once), so ddp, zero2 and
+zero3 are all tested with 2 CPU processes; FSDP is checked by eval/gpu_check.sh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from datetime import timedelta
+
+from models.errors import DraftheadsError
+
+STRATEGIES = ("single", "ddp", "fsdp", "zero2", "zero3")
+DEEPSPEED = ("zero2", "zero3")
+# Hydra overrides appended for the workers: the launching process already wrote the run's Hydra directory
+WORKER_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled")
+
+
+def launched() -> bool:
+    """True inside a process started by torchrun / accelerate launch (they set LOCAL_RANK)."""
+    return "LOCAL_RANK" in os.environ
+
+
+def check_strategy(ac, device: str) -> None:
+    """Clear errors for settings no launch can satisfy, before any process starts."""
+    if ac.strategy not in STRATEGIES:
+        raise DraftheadsError(f"accelerate.strategy '{ac.strategy}' is not one of {list(STRATEGIES)}")
+    for key in ("num_processes", "num_machines", "timeout_minutes"):
+        if getattr(ac, key) < 1:
+            raise DraftheadsError(f"accelerate.{key}={getattr(ac, key)} must be >= 1")
+    if not 0 <= ac.machine_rank < ac.num_machines:
+        raise DraftheadsError(f"accelerate.machine_rank={ac.machine_rank} must be in 0..{ac.num_machines - 1} "
+                              f"(accelerate.num_machines={ac.num_machines})")
+    if ac.strategy == "single" and ac.num_processes * ac.num_machines > 1:
+        raise DraftheadsError(f"accelerate.strategy=single runs one process, not {ac.num_processes * ac.num_machines};"
+                              " pick accelerate=ddp (or fsdp, zero2, zero3) or set accelerate.num_processes=1")
+    if ac.strategy == "fsdp" and device == "cpu":
+        raise DraftheadsError("accelerate.strategy=fsdp shards over GPUs; on CPU accelerate joins processes as plain data "
+                              "parallel. Use accelerate=ddp or zero3 with runtime.device=cpu, or runtime=cuda")
+
+
+def torchrun_command(ac, argv: list[str], run_dir: str) -> list[str]:
+    """The torchrun command that starts this run's worker processes on this machine, writing no Hydra files of their
+    own (they share the launching process's run directory `run_dir`)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ac.num_processes}"]
+    if ac.num_machines == 1:
+        cmd.append("--standalone")  # a free local port: two runs on one machine do not collide
+    else:
+        cmd += [f"--nnodes={ac.num_machines}", f"--node_rank={ac.machine_rank}",
+                f"--master_addr={ac.main_process_ip}", f"--master_port={ac.main_process_port}"]
+    worker = [*WORKER_OVERRIDES, f"hydra.run.dir={run_dir}"]
+    keys = {o.split("=")[0] for o in worker}
+    return cmd + ["-m", "train.distill", *(a for a in argv if a.split("=")[0] not in keys), *worker]
+
+
+def relaunch(ac, argv: list[str], run_dir: str, device: str) -> None:
+    """Replace this process with torchrun when the config asks for more than one process; return otherwise."""
+    check_strategy(ac, device)
+    if launched() or (ac.num_processes * ac.num_machines == 1 and ac.strategy not in DEEPSPEED):
+        return  # DeepSpeed initialises its process group from a launcher's environment, even for one process
+    cmd = torchrun_command(ac, argv, run_dir)
+    print(f"[draftheads] {ac.num_processes} processes x {ac.num_machines} machine(s), strategy {ac.strategy}: "
+          + " ".join(cmd), flush=True)
+    os.execv(sys.executable, cmd)
+
+
+def die_with_launcher() -> None:
+    """Linux: SIGKILL this worker when its launcher dies, so a killed run leaves no orphan still writing."""
+    if not launched() or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(1)
+
+
+def make_accelerator(ac, tc, device: str):
+    """The run's one Accelerator, built from the Hydra `accelerate` group and train.* (mixed precision, gradient
+    accumulation, clipping): the process group exists from here on, so the target is loaded after this call."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    check_strategy(ac, device)
+    cpu = device == "cpu"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if ac.strategy == "single" and world > 1:
+        raise DraftheadsError(f"accelerate.strategy=single but {world} processes were launched; pick accelerate=ddp")
+    if device == "cuda" and launched():
+        import torch
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # LOCAL_RANK decides the device, before any load
+    # DeepSpeed on CPU: accelerate's cpu=True would silently drop the plugin (plain DDP); cpu=False with gloo keeps it
+    backend = "gloo" if cpu and ac.strategy in DEEPSPEED else None
+    handlers = [InitProcessGroupKwargs(backend=backend, timeout=timedelta(minutes=ac.timeout_minutes)),
+                # some heads leave a depth unused in a micro-batch (COD keeps few deep rows)
+                DistributedDataParallelKwargs(find_unused_parameters=True)]
+    return Accelerator(cpu=cpu and ac.strategy not in DEEPSPEED, mixed_precision=tc.mixed_precision,
+                       gradient_accumulation_steps=tc.grad_accum, step_scheduler_with_optimizer=False,
+                       kwargs_handlers=handlers, **strategy_plugins(ac, tc))
+
+
+def strategy_plugins(ac, tc) -> dict:
+    """The Accelerator's plugin arguments for accelerate.strategy: fsdp_plugin, deepspeed_plugin, or none."""
+    if ac.strategy == "fsdp":
+        return {"fsdp_plugin": _fsdp_plugin(ac)}
+    if ac.strategy in DEEPSPEED:
+        return {"deepspeed_plugin": _deepspeed_plugin(ac, tc)}
+    return {}
+
+
+def _fsdp_plugin(ac):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2, reshard_after_forward=True, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["DecoderLayer"], state_dict_type="FULL_STATE_DICT", cpu_offload=ac.offload,
+        activation_checkpointing=False)
+
+
+def _deepspeed_plugin(ac, tc):
+    try:
+        import deepspeed  # noqa: F401
+        from accelerate.utils import DeepSpeedPlugin
+    except ImportError:
+        raise DraftheadsError(f"accelerate.strategy={ac.strategy} needs DeepSpeed: pip install -e '.[deepspeed]' "
+                              "(or pick accelerate=ddp / fsdp)") from None
+    offload = "cpu" if ac.offload else "none"
+    plugin = DeepSpeedPlugin(zero_stage=3 if ac.strategy == "zero3" else 2, gradient_accumulation_steps=tc.grad_accum,
+                             gradient_clipping=tc.max_grad_norm, offload_optimizer_device=offload,
+                             offload_param_device=offload if ac.strategy == "zero3" else "none",
+                             zero3_save_16bit_model=True)  # the full state dict is gathered for saving the head
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.batch_size  # prepare() gets no dataloader
+    plugin.deepspeed_config["zero_allow_untested_optimizer"] = True  # torch's AdamW
+    return plugin
+
+
+@contextlib.contextmanager
+def full_parameters(model):
+    """Every parameter of `model` materialised for code outside its forward (RL samples blocks with the head's
+    inference path): FSDP2 unshards, ZeRO-3 gathers; other strategies hold whole parameters already."""
+    if hasattr(model, "unshard") and hasattr(model, "reshard"):  # FSDP2's fully_shard module
+        model.unshard()
+        try:
+            yield
+        finally:
+            model.reshard()
+        return
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # DeepSpeed ZeRO-3 partitioned parameters
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            yield
+        return
+    yield

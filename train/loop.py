@@ -1,0 +1,297 @@
+"""The training loop every stage runs (soft labels, RL), written once for N processes.
+
+A stage supplies a `Stage`: its name, steps, learning rate and `step_fn(model, micro, temperature) -> (loss, stats)`,
+optionally `validate(model, shard) -> metrics`. The loop owns the rest: AdamW, the learning rate (warmup then cosine,
+a pure function of the optimizer step, so nothing can step it twice), gradient accumulation and mixed precision
+through the accelerator, logging (metrics.jsonl and W&B, main process only, every value averaged over ranks),
+validation, the best-weights file, and checkpoints that resume exactly.
+
+Data position is a pure function of the micro-batch index: at optimizer step s, accumulation slot a, rank r of W,
+the step reads global micro-batch g = (s * grad_accum + a) * W + r (batch order and COD sampling are seeded by g).
+Ranks read disjoint batches, and W processes at grad_accum A read, per optimizer step, exactly the batches one process
+reads at grad_accum W * A: the two runs follow the same curve (tests/test_multiprocess.py). Resuming needs only the
+step number; model, optimizer and per-rank RNG states come back through accelerator.save_state / load_state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from models.errors import DraftheadsError
+from train.temperature import temperature_at
+
+SUMMED = ("tokens", "val_blocks")  # stats added up over micro-batches and ranks; every other one is averaged
+
+
+class Tally:
+    """Named sums and counts: a stat is `value` (count 1) or `(sum, count)`; NaN means "no data here"."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, float] = {}
+
+    def add(self, key: str, value, count: float = 1.0) -> None:
+        if isinstance(value, tuple):
+            value, count = value
+        value = float(value)
+        if value != value or count == 0:
+            return
+        self.sums[key] = self.sums.get(key, 0.0) + value
+        self.counts[key] = self.counts.get(key, 0.0) + count
+
+    def update(self, stats: dict) -> None:
+        for key, value in stats.items():
+            self.add(key, value)
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] if k in SUMMED else self.sums[k] / self.counts[k] for k in sorted(self.sums)}
+
+
+@dataclass
+class Shard:
+    """This process's part of a job split over ranks, and how the parts meet (sum of Tallies over ranks)."""
+    rank: int = 0
+    world: int = 1
+    reduce: Callable[[Tally], dict] = Tally.means
+
+    def calls(self, n: int):
+        """(index, real) for this rank's share of n equal work items, round-robin. Every rank makes the same number
+        of calls (a sharded or data-parallel forward is collective); a rank past the end repeats item 0, not counted."""
+        for i in range(math.ceil(n / self.world)):
+            j = i * self.world + self.rank
+            yield (j, True) if j < n else (0, False)
+
+
+def shard_of(accelerator) -> Shard:
+    if accelerator is None or accelerator.num_processes == 1:
+        return Shard()
+    return Shard(accelerator.process_index, accelerator.num_processes, lambda t: reduce_tally(accelerator, t))
+
+
+def reduce_tally(accelerator, tally: Tally) -> dict[str, float]:
+    """Sum every rank's sums and counts (keys: the union over ranks) and return the means."""
+    from accelerate.utils import gather_object
+
+    keys = sorted(set().union(*gather_object([sorted(tally.sums)])))
+    packed = torch.tensor([[tally.sums.get(k, 0.0), tally.counts.get(k, 0.0)] for k in keys], dtype=torch.float64,
+                          device=accelerator.device).reshape(-1, 2)
+    packed = accelerator.reduce(packed, reduction="sum")
+    total = Tally()
+    for k, (s, c) in zip(keys, packed.tolist()):
+        if c:
+            total.sums[k], total.counts[k] = s, c
+    return total.means()
+
+
+@dataclass
+class Stage:
+    name: str  # "soft_label" | "rl": the metrics' stage column and the checkpoint directory
+    steps: int  # optimizer steps
+    lr: float
+    warmup: int
+    step_fn: Callable[[nn.Module, int, float], tuple[Tensor, dict]]  # (model, global micro-batch, T) -> loss, stats
+    ckpt_root: Path
+    validate: Callable | None = None  # (model, Shard) -> metrics (identical on every rank), or None
+    keep_best: bool = True  # keep the lowest-val_loss weights (stage 1); RL only logs validation, step 0 included
+
+
+@dataclass
+class RunLog:
+    """metrics.jsonl, and W&B when a run is given; written by the main process only. W&B steps count on across
+    stages (RL's step 1 follows stage 1's last) so one run shows both."""
+    path: Path
+    main: bool
+    wandb_run: object = None
+    offsets: dict = field(default_factory=dict)
+
+    def resume(self, stage: str, step: int) -> None:
+        """Drop what a killed run logged for `stage` past its checkpoint `step` (about to be redone) and a torn last
+        line; the file is replaced atomically, never rewritten in place."""
+        if not self.main or not self.path.exists():
+            return
+        lines = self.path.read_bytes().split(b"\n")
+        kept = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # empty, or the half-written last line of a killed run
+            if not (row.get("stage") == stage and row.get("step", 0) > step):
+                kept.append(line)
+        if len(kept) != sum(1 for line in lines if line):
+            write_atomic(self.path, b"".join(line + b"\n" for line in kept))
+
+    def write(self, row: dict) -> None:
+        if not self.main:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb_run is not None:
+            offset = self.offsets.setdefault(row["stage"], sum(self.offsets.values()) if self.offsets else 0)
+            self.wandb_run.log({f"{row['stage']}/{k}": v for k, v in row.items() if k not in ("stage", "step")},
+                               step=offset + row["step"])
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def lr_factor(step: int, warmup: int, steps: int, floor: float = 0.1) -> float:
+    """Linear warmup over `warmup` steps, then cosine down to `floor` at `steps`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    x = (step - warmup) / max(1, steps - warmup)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(x, 1.0)))
+
+
+def newest_checkpoint(root: Path) -> Path | None:
+    done = [p for p in root.glob("step_*") if (p / "trainer_state.json").is_file()]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop_at_step: int | None = None):
+    """Train `model` for stage.steps optimizer steps. Returns (finished, state, metrics): finished is False after a
+    simulated kill (stop_at_step); state is the head's full state dict on the main process (None elsewhere), the
+    best-validation weights when stage.keep_best found any; metrics are the last logged ones."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=stage.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    shard, main, A = shard_of(accelerator), accelerator.is_main_process, tc.grad_accum
+
+    step = 0
+    last = newest_checkpoint(stage.ckpt_root) if tc.resume else None
+    if last is not None:
+        accelerator.load_state(str(last))
+        step = json.loads((last / "trainer_state.json").read_text())["step"]
+        if main:
+            print(f"[draftheads] {stage.name}: resumed from {last} (step {step})")
+    accelerator.step = step * A  # where accelerate's accumulation counter stands (sync on every A-th micro-step)
+    log.resume(stage.name, step)
+    best = _read_best(stage.ckpt_root) if stage.keep_best else None
+    if stage.validate is not None and not stage.keep_best and step == 0:
+        log.write({"stage": stage.name, "step": 0, **_validate(model, stage, shard)})
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=stage.steps, initial=step, desc=stage.name, disable=not main)
+    window, logged, t0 = Tally(), {}, time.perf_counter()
+    sleep = float(os.environ.get("DRAFTHEADS_TEST_STEP_SLEEP", "0"))  # tests: widen the window a kill can land in
+    while step < stage.steps:
+        temperature = temperature_at(step, tc.temperature.start, tc.temperature.end, tc.temperature.schedule,
+                                     tc.temperature.steps or stage.steps)
+        lr = stage.lr * lr_factor(step, stage.warmup, stage.steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        step_loss = 0.0
+        for a in range(A):
+            micro = (step * A + a) * shard.world + shard.rank
+            with accelerator.accumulate(model):
+                loss, stats = stage.step_fn(model, micro, temperature)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and tc.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            step_loss += float(loss.detach()) / A
+            window.update(stats)
+        step += 1
+        mean_loss = float(accelerator.reduce(torch.tensor(step_loss, device=accelerator.device), reduction="mean"))
+        if not math.isfinite(mean_loss):
+            raise DraftheadsError(f"{stage.name}: the loss is {mean_loss} at step {step}; nothing was saved past the "
+                                  f"last checkpoint. Lower train.lr (now {stage.lr:g}) or check the features")
+        window.add("loss", mean_loss)
+        bar.update(1)
+        if step % tc.log_every == 0 or step == stage.steps:
+            means = shard.reduce(window)
+            elapsed = time.perf_counter() - t0
+            logged = {"stage": stage.name, "step": step, "loss": round(means.pop("loss"), 6), "lr": lr,
+                      "temperature": round(temperature, 4),
+                      "tokens_per_s": round(means.pop("tokens", 0) / max(elapsed, 1e-9), 1),
+                      **{k: round(v, 4) for k, v in means.items()}}
+            log.write(logged)
+            bar.set_postfix(loss=logged["loss"])
+            window, t0 = Tally(), time.perf_counter()
+        if stage.validate is not None and (step % tc.eval_every == 0 or step == stage.steps):
+            metrics = _validate(model, stage, shard)
+            log.write({"stage": stage.name, "step": step, **metrics})
+            if stage.keep_best and (best is None or metrics["val_loss"] < best["val_loss"]):
+                best = {"step": step, "val_loss": metrics["val_loss"]}
+                _save_best(accelerator, model, stage.ckpt_root / "best", best)
+        if step % tc.checkpoint_every == 0 or step == stage.steps:
+            _save_checkpoint(accelerator, stage.ckpt_root, step)
+        if sleep:
+            time.sleep(sleep)
+        if stop_at_step is not None and step >= stop_at_step:  # tests: simulate a kill after this step
+            break
+    bar.close()
+    if step < stage.steps:
+        return False, None, logged
+    if best is not None:
+        if main:
+            print(f"[draftheads] {stage.name}: kept the step-{best['step']} weights (lowest val_loss "
+                  f"{best['val_loss']:.4f})")
+        from safetensors.torch import load_file
+
+        state = load_file(stage.ckpt_root / "best" / "model.safetensors") if main else None
+        return True, state, {**logged, "best_step": best["step"], "best_val_loss": best["val_loss"]}
+    return True, _full_state(accelerator, model), logged
+
+
+# ---------------------------------------------------------------------------------------------
+def _validate(model, stage: Stage, shard: Shard) -> dict:
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        metrics = stage.validate(model, shard)
+    model.train(was_training)
+    return metrics
+
+
+def _full_state(accelerator, model) -> dict | None:
+    """The head's whole state dict on the main process (gathered from shards under FSDP / ZeRO-3), CPU tensors."""
+    state = accelerator.get_state_dict(model)  # collective: every rank calls it
+    if not accelerator.is_main_process:
+        return None
+    return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+
+
+def _read_best(root: Path) -> dict | None:
+    path = root / "best" / "best.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _save_best(accelerator, model, best_dir: Path, best: dict) -> None:
+    from safetensors.torch import save_file
+
+    state = _full_state(accelerator, model)
+    if state is not None:
+        best_dir.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(best_dir / "model.safetensors.tmp"))
+        os.replace(best_dir / "model.safetensors.tmp", best_dir / "model.safetensors")
+        write_atomic(best_dir / "best.json", json.dumps(best).encode())  # written last: marks the weights complete
+    accelerator.wait_for_everyone()
+
+
+def _save_checkpoint(accelerator, root: Path, step: int, keep: int = 2) -> None:
+    path = root / f"step_{step}"
+    accelerator.save_state(str(path))  # every rank: sharded strategies write their own shards
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_atomic(path / "trainer_state.json", json.dumps({"step": step}).encode())  # the completion marker
+        done = sorted((p for p in root.glob("step_*") if (p / "trainer_state.json").is_file()),
+                      key=lambda p: int(p.name.split("_")[1]))
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
