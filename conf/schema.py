@@ -48,8 +48,11 @@ class DataConfig:
     regen_batch_size: int = 8
     regen_temperature: float = 0.0
     regen_dtype: str = "bfloat16"  # the runtime decodes in this dtype (bf16: ~2x fp32 HF generate on CPU)
-    features: bool = True  # extract offline features (hidden states) to safetensors shards
-    shard_tokens: int = 16384  # tokens per feature shard
+    regen_backend: str = "runtime"  # runtime (this project's) | openai (a vLLM / SGLang server at regen_server)
+    regen_server: str = "http://127.0.0.1:8000/v1"
+    features: str = "offline"  # offline: hidden states on disk | online: the target runs in the training step | none
+    feature_dtype: str = "bfloat16"  # bfloat16 | int8 (per-token absmax scales; online rounds the same way)
+    shard_mb: float = 1024  # a feature shard closes at about this size
 
 
 @dataclass

@@ -1,10 +1,17 @@
-"""Offline features: the target's hidden states for every training token, in safetensors shards + a manifest.
+"""Training sequences on disk: token ids, loss masks and (offline) the target's hidden states, in bounded shards.
 
-A shard holds concatenated sequences: `input_ids` int32 [N], `loss_mask` uint8 [N], `seq_offsets` int64 [S+1],
-`aux_hidden` bf16 [N, len(layer_ids)*H] (hidden states entering the configured layers) and `final_hidden` bf16
-[N, H] (LM-head input: target logits for token t+1 = lm_head(final_hidden[t])). Storing the LM-head input instead
-of logits costs H instead of V values per token (576 vs 49152 on SmolLM2).
-The manifest is rewritten after every shard, so a killed run resumes after the last complete shard.
+A shard (safetensors) holds concatenated sequences: `input_ids` int32 [N], `loss_mask` uint8 [N], `seq_offsets`
+int64 [S+1] and, for offline features, `aux_hidden` [N, n*H] (hidden states entering the n configured layers) and
+`final_hidden` [N, H] (the LM-head input: target logits for token t+1 = lm_head(final_hidden[t])). Storing the LM-head
+input instead of logits costs H instead of V values per token (576 vs 49152 on SmolLM2). Hidden states are bfloat16,
+or int8 with one float32 scale per token and layer (`aux_scale` [N, n], `final_scale` [N, 1]; data.feature_dtype=int8).
+Online runs (data.features=online) store tokens only: the target recomputes hidden states in the training step,
+rounded exactly as storage would round them (`round_like_storage`), so online and offline train on the same numbers.
+
+Shards close at ~shard_tokens tokens (prepare_data sizes them from data.shard_mb); a batch reads only its rows,
+through memory maps (safetensors slices). Extraction can be split over W ranks: rank r extracts a contiguous block of
+the sequences into `part_r` files; the main process merges the parts' shard lists into manifest.json in order.
+Every manifest is replaced atomically after each shard, so a killed run resumes after its last complete shard.
 """
 
 from __future__ import annotations
@@ -16,15 +23,16 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from inference.llama import LlamaForward
 from models.errors import DraftheadsError
 from models.target import Target
 
 MANIFEST = "manifest.json"
+FEATURE_DTYPES = ("bfloat16", "int8")
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
@@ -33,65 +41,118 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def part_block(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Sequences [lo, hi) that rank `rank` of `world` extracts: contiguous blocks, so parts concatenate in order."""
+    return n * rank // world, n * (rank + 1) // world
+
+
 @torch.no_grad()
-def extract_features(
-    target: Target,
-    sequences: list[tuple[Tensor, Tensor]],  # (input_ids [T], loss_mask [T]) in a fixed order
-    out_dir: str | Path,
-    shard_tokens: int = 16384,
-    batch_tokens: int = 4096,
-) -> dict:
-    """Run the target over every sequence and write shards; resumes from the manifest. Returns throughput stats."""
+def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out_dir: str | Path,
+                     shard_tokens: int = 16384, batch_tokens: int = 4096, hidden: bool = True,
+                     dtype: str = "bfloat16", rank: int = 0, world: int = 1) -> dict:
+    """Write this rank's block of `sequences` ((input_ids [T], loss_mask [T]) in a fixed order), with the target's
+    hidden states when `hidden`; resumes from the part's manifest. With world > 1 the caller waits for every rank and
+    has the main process call merge_parts. Returns throughput stats of this rank."""
+    if dtype not in FEATURE_DTYPES:
+        raise DraftheadsError(f"data.feature_dtype '{dtype}' is not one of {list(FEATURE_DTYPES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mpath = out / MANIFEST
+    lo, hi = part_block(len(sequences), rank, world)
+    name = MANIFEST if world == 1 else f"part_{rank}-of-{world}.json"
+    mpath = out / name
     manifest = json.loads(mpath.read_text()) if mpath.exists() else None
     if manifest is not None:
         target.check_fingerprint(manifest["fingerprint"], f"feature directory '{out}'", keys=(
             "vocab_size", "hidden_size", "tokenizer_hash", "layer_ids"))
+        if manifest.get("hidden", True) != hidden or manifest.get("dtype", "bfloat16") != dtype:
+            raise DraftheadsError(f"feature directory '{out}' holds {_kind(manifest)}; this run asks for "
+                                  f"{_kind({'hidden': hidden, 'dtype': dtype})}. Use another output_dir")
     else:
-        manifest = {"fingerprint": target.fingerprint, "layer_ids": list(target.layer_ids), "dtype": "bfloat16",
-                    "shards": [], "sequences_done": 0, "complete": False}
+        manifest = {"fingerprint": target.fingerprint, "layer_ids": list(target.layer_ids), "hidden": hidden,
+                    "dtype": dtype, "shards": [], "sequences_done": 0, "complete": False}
+    mine = sequences[lo:hi]
     start = manifest["sequences_done"]
-    digest = _sequences_digest(sequences[:start])
+    if manifest.get("parts", 1) > 1 and world == 1:  # merged from W ranks: each part checked against its block
+        return _check_merged(out, manifest, sequences)
+    digest = _sequences_digest(mine[:start])
     recorded = manifest["shards"][-1].get("sha256") if manifest["shards"] else None  # older manifests: none
-    if len(sequences) < start or recorded not in (None, digest.hexdigest()):
-        raise DraftheadsError(f"feature directory '{out}' holds features of {start} sequences that are not the first "
-                              f"{start} of the {len(sequences)} the data stage gives now (data.* settings or the "
-                              "regenerated text changed); delete it or use a new output_dir")
+    if len(mine) < start or recorded not in (None, digest.hexdigest()):
+        raise _changed(out, start, len(mine))
+    prefix = "shard" if world == 1 else f"shard_r{rank}-of-{world}"
+    todo = mine[start:]
     buffer: list[dict] = []
-    buffered_tokens, new_tokens, t0 = 0, 0, time.perf_counter()
-    todo = sequences[start:]
-    bar = tqdm(total=sum(len(ids) for ids, _ in todo), desc="features", unit="tok")
-    forward = _feature_forward(target)
+    buffered, new_tokens, t0 = 0, 0, time.perf_counter()
+    bar = tqdm(total=sum(len(ids) for ids, _ in todo), desc="features" if world == 1 else f"features[{rank}]",
+               unit="tok", position=rank)
+    forward = _feature_forward(target) if hidden else None
     i = 0
     while i < len(todo):
         batch = [todo[i]]  # pack sequences up to batch_tokens (right padding), never far past a shard boundary
         while (i + len(batch) < len(todo)
                and (len(batch) + 1) * max(len(s[0]) for s in batch + [todo[i + len(batch)]]) <= batch_tokens
-               and buffered_tokens + sum(len(s[0]) for s in batch) < shard_tokens):
+               and buffered + sum(len(s[0]) for s in batch) < shard_tokens):
             batch.append(todo[i + len(batch)])
         i += len(batch)
-        for seq, (aux, final) in zip(batch, _run_batch(forward, [ids for ids, _ in batch])):
-            buffer.append({"input_ids": seq[0], "loss_mask": seq[1], "aux_hidden": aux, "final_hidden": final})
-            buffered_tokens += len(seq[0])
-            new_tokens += len(seq[0])
-            bar.update(len(seq[0]))
-        if buffered_tokens >= shard_tokens or i == len(todo):
+        states = _run_batch(forward, [ids for ids, _ in batch]) if hidden else [None] * len(batch)
+        for (ids, mask), state in zip(batch, states):
+            stored = encode(state[0].cpu(), state[1].cpu(), dtype) if state else {}
+            buffer.append({"input_ids": ids, "loss_mask": mask, **stored})
+            buffered += len(ids)
+            new_tokens += len(ids)
+            bar.update(len(ids))
+        if buffered >= shard_tokens or i == len(todo):
             for b in buffer:
                 _digest_update(digest, b["input_ids"], b["loss_mask"])
-            _write_shard(out, manifest, buffer, digest.hexdigest())
-            buffer, buffered_tokens = [], 0
+            _write_shard(out, manifest, buffer, digest.hexdigest(), prefix)
+            buffer, buffered = [], 0
             _write_json_atomic(mpath, manifest)
     bar.close()
     manifest["complete"] = True
     _write_json_atomic(mpath, manifest)
     elapsed = time.perf_counter() - t0
-    total_tokens = sum(s["tokens"] for s in manifest["shards"])
-    total_bytes = sum((out / s["file"]).stat().st_size for s in manifest["shards"])
-    return {"sequences": manifest["sequences_done"], "tokens": total_tokens, "new_tokens": new_tokens,
+    tokens = sum(s["tokens"] for s in manifest["shards"])
+    size = sum((out / s["file"]).stat().st_size for s in manifest["shards"])
+    return {"sequences": manifest["sequences_done"], "tokens": tokens, "new_tokens": new_tokens,
             "seconds": round(elapsed, 2), "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1),
-            "bytes": total_bytes, "bytes_per_token": round(total_bytes / max(total_tokens, 1), 1)}
+            "bytes": size, "bytes_per_token": round(size / max(tokens, 1), 1), "hidden": hidden, "dtype": dtype}
+
+
+def merge_parts(out_dir: str | Path, world: int) -> dict:
+    """The main process, after every rank finished its part: manifest.json lists the parts' shards in order."""
+    out = Path(out_dir)
+    parts = [json.loads((out / f"part_{r}-of-{world}.json").read_text()) for r in range(world)]
+    if not all(p["complete"] for p in parts):
+        raise DraftheadsError(f"feature directory '{out}': a rank's part is incomplete; rerun the same command")
+    merged = {**parts[0], "shards": [s for p in parts for s in p["shards"]],
+              "sequences_done": sum(p["sequences_done"] for p in parts), "complete": True, "parts": world}
+    _write_json_atomic(out / MANIFEST, merged)
+    return merged
+
+
+def _changed(out: Path, done: int, now: int) -> DraftheadsError:
+    return DraftheadsError(f"feature directory '{out}' holds features of {done} sequences that are not the first {done} "
+                           f"of the {now} the data stage gives now (data.* settings or the regenerated text changed); "
+                           "delete it or use a new output_dir")
+
+
+def _check_merged(out: Path, manifest: dict, sequences) -> dict:
+    """A manifest merged from W parts, met by a single process: complete and made of these sequences, or an error."""
+    world, n = manifest["parts"], manifest["sequences_done"]
+    if len(sequences) != n:
+        raise DraftheadsError(f"feature directory '{out}' was extracted by {world} processes from {n} sequences; the "
+                              f"data stage now gives {len(sequences)}. Rerun with accelerate.num_processes={world}, or "
+                              "delete it")
+    for r in range(world):
+        lo, hi = part_block(n, r, world)
+        mine = [sh for sh in manifest["shards"] if sh["file"].startswith(f"shard_r{r}-of-{world}_")]
+        if mine and mine[-1].get("sha256") not in (None, _sequences_digest(sequences[lo:hi]).hexdigest()):
+            raise _changed(out, n, len(sequences))
+    tokens = sum(s["tokens"] for s in manifest["shards"])
+    return {"sequences": n, "tokens": tokens, "new_tokens": 0, "parts": world}
+
+
+def _kind(manifest: dict) -> str:
+    return f"{manifest.get('dtype', 'bfloat16')} hidden states" if manifest.get("hidden", True) else "tokens only"
 
 
 def _sequences_digest(sequences) -> "hashlib._Hash":
@@ -107,53 +168,98 @@ def _digest_update(digest, ids: Tensor, mask: Tensor) -> None:
 
 
 def _feature_forward(target: Target):
-    """(ids [B, T], attention_mask [B, T]) -> TargetOutput without logits. On CPU, for Llama-style targets, the
-    runtime's compact forward (float32 weights packed for oneDNN: HF's forward takes MKL's AVX2 path on this AMD CPU);
-    right padding then needs no mask, since under causal attention no real token sees a pad. Otherwise HF's forward."""
-    if target.device.type == "cpu":
+    """ids [B, T] right-padded -> TargetOutput without logits. On CPU, for Llama-style targets, the runtime's compact
+    forward (float32 weights packed for oneDNN: HF's forward takes MKL's AVX2 path on this AMD CPU); right padding then
+    needs no mask, since under causal attention no real token sees a pad. Otherwise (GPU, a sharded target) HF's."""
+    from inference.llama import LlamaForward
+
+    if target.device.type == "cpu" and not target.sharded:
         try:
             fwd = LlamaForward(target)
         except DraftheadsError:
             pass
         else:
             return lambda ids, attn: fwd(ids, fwd.new_cache(ids.shape[0], ids.shape[1]), compute_logits=False)
-    return lambda ids, attn: target(ids.to(target.device), attention_mask=attn.to(target.device),
-                                    compute_logits=False)
+    return lambda ids, attn: target(ids.to(target.device), attention_mask=attn.to(target.device), compute_logits=False)
 
 
 def _run_batch(forward, seqs: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """(aux [T, nH], final [T, H]) per sequence, float32 on the target's device."""
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for r, s in enumerate(seqs):
         ids[r, : len(s)], attn[r, : len(s)] = s, 1
     out = forward(ids, attn)
-    return [(out.aux_hidden[r, : len(s)].to(torch.bfloat16).cpu(), out.final_hidden[r, : len(s)].to(torch.bfloat16).cpu())
-            for r, s in enumerate(seqs)]
+    return [(out.aux_hidden[r, : len(s)].float(), out.final_hidden[r, : len(s)].float()) for r, s in enumerate(seqs)]
 
 
-def _write_shard(out: Path, manifest: dict, buffer: list[dict], sha256: str) -> None:
-    """sha256: digest of every sequence up to this shard's last (resume checks the data is the same)."""
+def encode(aux: Tensor, final: Tensor, dtype: str) -> dict:
+    """Storage form of one sequence's hidden states: bfloat16, or int8 with a float32 absmax scale per token and layer."""
+    if dtype == "bfloat16":
+        return {"aux_hidden": aux.to(torch.bfloat16), "final_hidden": final.to(torch.bfloat16)}
+    H = final.shape[-1]
+    out = {}
+    for key, x in (("aux", aux), ("final", final)):
+        blocks = x.float().view(*x.shape[:-1], -1, H)  # [..., n, H]
+        scale = blocks.abs().amax(-1).clamp(min=1e-12) / 127.0  # [..., n]
+        out[f"{key}_hidden"] = (blocks / scale[..., None]).round().clamp(-127, 127).to(torch.int8).view(x.shape)
+        out[f"{key}_scale"] = scale
+    return out
+
+
+def decode(stored: dict, H: int) -> tuple[Tensor, Tensor]:
+    """(aux, final) float32 from encode's storage form."""
+    if "aux_scale" not in stored:
+        return stored["aux_hidden"].float(), stored["final_hidden"].float()
+    out = []
+    for key in ("aux", "final"):
+        x = stored[f"{key}_hidden"]
+        out.append((x.float().view(*x.shape[:-1], -1, H) * stored[f"{key}_scale"][..., None]).view(x.shape))
+    return out[0], out[1]
+
+
+def round_like_storage(aux: Tensor, final: Tensor, dtype: str) -> tuple[Tensor, Tensor]:
+    """Online hidden states with exactly the rounding offline storage applies (so both modes train on equal inputs)."""
+    return decode(encode(aux, final, dtype), final.shape[-1])
+
+
+def _write_shard(out: Path, manifest: dict, buffer: list[dict], sha256: str, prefix: str) -> None:
+    """sha256: digest of every sequence of this part up to this shard's last (resume checks the data is the same)."""
     if not buffer:
         return
     lengths = torch.tensor([len(b["input_ids"]) for b in buffer])
-    tensors = {
-        "input_ids": torch.cat([b["input_ids"] for b in buffer]).to(torch.int32),
-        "loss_mask": torch.cat([b["loss_mask"] for b in buffer]).to(torch.uint8),
-        "seq_offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-        "aux_hidden": torch.cat([b["aux_hidden"] for b in buffer]),
-        "final_hidden": torch.cat([b["final_hidden"] for b in buffer]),
-    }
-    name = f"shard_{len(manifest['shards']):05d}.safetensors"
+    tensors = {"input_ids": torch.cat([b["input_ids"] for b in buffer]).to(torch.int32),
+               "loss_mask": torch.cat([b["loss_mask"] for b in buffer]).to(torch.uint8),
+               "seq_offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])}
+    for key in buffer[0]:
+        if key not in ("input_ids", "loss_mask"):
+            tensors[key] = torch.cat([b[key] for b in buffer])
+    name = f"{prefix}_{len(manifest['shards']):05d}.safetensors"
     save_file(tensors, str(out / (name + ".tmp")))
     os.replace(out / (name + ".tmp"), out / name)
     manifest["shards"].append({"file": name, "sequences": len(buffer), "tokens": int(lengths.sum()), "sha256": sha256})
     manifest["sequences_done"] += len(buffer)
 
 
+class OnlineFeatures:
+    """items -> the same items with aux_hidden / final_hidden from one batched target forward, rounded as storage
+    would round them: the online counterpart of reading a feature directory (everything after it is shared)."""
+
+    def __init__(self, target: Target, dtype: str = "bfloat16"):
+        self.forward, self.dtype = _feature_forward(target), dtype
+
+    @torch.no_grad()
+    def __call__(self, items: list[dict]) -> list[dict]:
+        states = _run_batch(self.forward, [it["input_ids"] for it in items])
+        return [{**it, **dict(zip(("aux_hidden", "final_hidden"), round_like_storage(aux, final, self.dtype)))}
+                for it, (aux, final) in zip(items, states)]
+
+
 class FeatureDataset:
-    """Sequences of a feature directory: ds[i] -> dict(input_ids [T] long, loss_mask [T] bool,
-    aux_hidden [T, nH] float32, final_hidden [T, H] float32). Shards are loaded lazily, one at a time."""
+    """Sequences of a feature directory: ds[i] -> dict(input_ids [T] long, loss_mask [T] bool and, with hidden states,
+    aux_hidden [T, nH] float32, final_hidden [T, H] float32). Rows are read through memory maps (only sequence i's
+    bytes); `shard_of` groups sequences by shard for windowed shuffling."""
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
@@ -164,24 +270,42 @@ class FeatureDataset:
         if not self.manifest.get("complete"):
             raise DraftheadsError(f"feature directory '{self.dir}' is incomplete (a killed run?); rerun the same "
                                   "command to resume it")
+        self.hidden = self.manifest.get("hidden", True)
+        self.hidden_size = self.manifest["fingerprint"]["hidden_size"]
         self.index = [(s, j) for s, shard in enumerate(self.manifest["shards"]) for j in range(shard["sequences"])]
-        self._cache: tuple[int, dict] | None = None
+        self.shard_of = [s for s, _ in self.index]
+        self._open: dict[int, tuple] = {}
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def _shard(self, s: int) -> dict:
-        if self._cache is None or self._cache[0] != s:
+    def _shard(self, s: int):
+        if s not in self._open:
+            path = self.dir / self.manifest["shards"][s]["file"]
             try:
-                self._cache = (s, load_file(str(self.dir / self.manifest["shards"][s]["file"])))
+                handle = safe_open(str(path), framework="pt")
+                offsets = handle.get_tensor("seq_offsets")
             except Exception as e:
-                raise DraftheadsError(f"feature shard '{self.manifest['shards'][s]['file']}' in '{self.dir}' cannot be "
-                                      f"read ({e}); delete the directory and extract features again") from None
-        return self._cache[1]
+                raise DraftheadsError(f"feature shard '{path}' cannot be read ({type(e).__name__}: {e}); delete "
+                                      f"'{self.dir}' and extract features again") from None
+            if len(self._open) >= 64:  # bounded number of open memory maps
+                self._open.pop(next(iter(self._open)))
+            self._open[s] = (handle, offsets)
+        return self._open[s]
 
     def __getitem__(self, i: int) -> dict:
+        return self._read(i, None)
+
+    def tokens(self, i: int) -> dict:
+        """input_ids and loss_mask of sequence i only (counting tokens reads no hidden states)."""
+        return self._read(i, ("input_ids", "loss_mask"))
+
+    def _read(self, i: int, keys) -> dict:
         s, j = self.index[i]
-        t = self._shard(s)
-        a, b = int(t["seq_offsets"][j]), int(t["seq_offsets"][j + 1])
-        return {"input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b].bool(),
-                "aux_hidden": t["aux_hidden"][a:b].float(), "final_hidden": t["final_hidden"][a:b].float()}
+        handle, offsets = self._shard(s)
+        a, b = int(offsets[j]), int(offsets[j + 1])
+        rows = {key: handle.get_slice(key)[a:b] for key in keys or handle.keys() if key != "seq_offsets"}
+        item = {"input_ids": rows["input_ids"].long(), "loss_mask": rows["loss_mask"].bool()}
+        if self.hidden and keys is None:
+            item["aux_hidden"], item["final_hidden"] = decode(rows, self.hidden_size)
+        return item

@@ -1,56 +1,139 @@
-"""The data stage of a run: read → (regenerate) → tokenize with the chat template → (extract features).
+"""The data stage of a run: read → (regenerate) → tokenize with the chat template → sequences on disk, with the
+target's hidden states (data.features=offline) or without (online: the training step recomputes them).
 
-Every step writes to the run's data directory and is skipped or resumed when its output already exists.
+Every step writes to the run's data directory and is skipped or resumed when its output already exists. Several
+processes share the stage: each regenerates and extracts its share, the main process merges. `data_report.json`
+records the settings that shaped the data (`data_settings`); a run with the same settings and a complete feature
+directory skips the stage without loading the target.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from data.chat import tokenize_chat
-from data.features import extract_features
+from data.features import MANIFEST, extract_features, merge_parts
 from data.readers import ReadStats, read_conversations
+from data.regenerate import merge_parts as merge_regenerated
 from data.regenerate import regenerate
 from models.errors import DraftheadsError
 from models.target import Target
 
+FEATURE_MODES = ("offline", "online", "none")
+SHAPING = ("source", "path", "max_records", "skip_records", "max_length", "overlong", "regenerate", "regen_max_new",
+           "regen_turns", "regen_batch_size", "regen_temperature", "regen_dtype", "regen_backend", "features",
+           "feature_dtype")
 
-def prepare_data(target: Target, out_dir: str | Path, *, source: str = "sharegpt", path: str | None = None,
-                 max_records: int = 64, skip_records: int = 0, max_length: int = 1024, overlong: str = "truncate",
-                 regen: bool = True, regen_max_new: int = 128, regen_turns: int = 1, regen_batch_size: int = 8,
-                 regen_temperature: float = 0.0, regen_dtype: str = "bfloat16", features: bool = True, shard_tokens: int = 16384,
-                 seed: int = 0) -> dict:
-    """Returns a report dict (also written to out_dir/data_report.json)."""
+
+@dataclass
+class Workers:
+    """The processes sharing the data stage: this one's rank, how many, and a barrier (one process: no-op)."""
+    rank: int = 0
+    world: int = 1
+    wait: Callable[[], None] = lambda: None
+
+
+def data_settings(d, fingerprint: dict, seed: int) -> dict:
+    """What shapes the data directory's content: the data.* fields that change records or tokens, the target (name,
+    tokenizer, feature layers) and the seed; shard sizes do not."""
+    keep = {k: getattr(d, k) for k in SHAPING}
+    keep["target"] = {k: fingerprint[k] for k in ("name", "tokenizer_hash", "layer_ids")}
+    keep["seed"] = seed
+    keep["sha256"] = hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return keep
+
+
+def ready_report(out_dir: str | Path, settings: dict) -> dict | None:
+    """The data report when the directory holds complete data made with exactly `settings`, else None."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    report_path = out / "data_report.json"
+    if not report_path.is_file():
+        return None
+    report = json.loads(report_path.read_text())
+    if report.get("settings", {}).get("sha256") != settings["sha256"]:
+        return None
+    if settings["features"] != "none" and not json.loads((out / "features" / MANIFEST).read_text()).get("complete"):
+        return None
+    return report
+
+
+def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers: Workers = Workers()) -> dict:
+    """Run the data stage with the data config `d` (conf.schema.DataConfig); every rank calls it. Returns the report
+    (written to out_dir/data_report.json by the main process)."""
+    if d.features not in FEATURE_MODES:
+        raise DraftheadsError(f"data.features '{d.features}' is not one of {list(FEATURE_MODES)}")
+    out = Path(out_dir)
+    main = workers.rank == 0
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    workers.wait()
     stats = ReadStats()
-    convs = list(itertools.islice(read_conversations(source, path, stats), skip_records, skip_records + max_records))
+    convs = list(itertools.islice(read_conversations(d.source, d.path, stats), d.skip_records,
+                                  d.skip_records + d.max_records))
     if not convs:
-        raise DraftheadsError(f"data source '{source}' ({path or 'packaged copy'}) gave no usable conversations "
+        raise DraftheadsError(f"data source '{d.source}' ({d.path or 'packaged copy'}) gave no usable conversations "
                               f"(read stats: {stats.summary()}); check data.source / data.path")
-    report: dict = {"read": stats.summary(), "conversations": len(convs)}
-    if regen:
+    report: dict = {"settings": data_settings(d, target.fingerprint, seed), "read": stats.summary(),
+                    "conversations": len(convs), "processes": workers.world}
+    if d.regenerate:
+        max_prompt = max(d.max_length - d.regen_max_new, 1)
         report["regenerate"] = regenerate(
-            target, convs, out / "regenerated.jsonl", max_new=regen_max_new, turns=regen_turns,
-            batch_size=regen_batch_size, temperature=regen_temperature, seed=seed, dtype=regen_dtype,
-            max_prompt_tokens=max(max_length - regen_max_new, 1))
-        records = sorted((json.loads(l) for l in (out / "regenerated.jsonl").open(encoding="utf-8")), key=lambda r: r["id"])
+            target, convs, out / "regenerated.jsonl", max_new=d.regen_max_new, turns=d.regen_turns,
+            batch_size=d.regen_batch_size, temperature=d.regen_temperature, seed=seed, dtype=d.regen_dtype,
+            max_prompt_tokens=max_prompt, rank=workers.rank, world=workers.world, backend=d.regen_backend,
+            server=d.regen_server)
+        if workers.world > 1:
+            workers.wait()
+            if main:
+                merge_regenerated(target.tokenizer, convs, out / "regenerated.jsonl", workers.world, d.regen_turns,
+                                  d.regen_batch_size, max_prompt)
+            workers.wait()
+        records = sorted((json.loads(line) for line in (out / "regenerated.jsonl").read_bytes().split(b"\n")
+                          if line.strip()), key=lambda r: r["id"])
         chats = [(r["conversation"], not r["finished"][-1]) for r in records]
     else:
         chats = [(c, False) for c in convs]
     sequences, overlong_count = [], 0
     for conv, open_last in chats:
-        tc = tokenize_chat(target.tokenizer, conv, max_length, overlong, last_turn_open=open_last)
+        tc = tokenize_chat(target.tokenizer, conv, d.max_length, d.overlong, last_turn_open=open_last)
         if tc is None or tc.truncated:
             overlong_count += 1
         if tc is not None and tc.loss_mask.any():
             sequences.append((tc.input_ids, tc.loss_mask))
-    report["tokenize"] = {"sequences": len(sequences), f"overlong_{overlong}d": overlong_count,
+    report["tokenize"] = {"sequences": len(sequences), f"overlong_{d.overlong}d": overlong_count,
                           "tokens": sum(len(s[0]) for s in sequences),
                           "assistant_tokens": int(sum(int(s[1].sum()) for s in sequences))}
-    if features:
-        report["features"] = extract_features(target, sequences, out / "features", shard_tokens=shard_tokens)
-    (out / "data_report.json").write_text(json.dumps(report, indent=1))
+    if d.features != "none":
+        report["features"] = _sequences_on_disk(target, sequences, out / "features", d, workers)
+    if main:
+        (out / "data_report.json").write_text(json.dumps(report, indent=1))
+    workers.wait()
     return report
+
+
+def _sequences_on_disk(target: Target, sequences, out: Path, d, workers: Workers) -> dict:
+    """Offline: every rank extracts its block of hidden states, the main process merges. Online: tokens only, written
+    by the main process (cheap)."""
+    hidden = d.features == "offline"
+    per_token = 5 + (len(target.layer_ids) + 1) * target.hidden_size * (2 if d.feature_dtype == "bfloat16" else 1)
+    shard_tokens = max(1, int(d.shard_mb * 2**20 / (per_token if hidden else 5)))
+    if not hidden or workers.world == 1:
+        stats = extract_features(target, sequences, out, shard_tokens, hidden=hidden, dtype=d.feature_dtype) \
+            if workers.rank == 0 else {}
+        workers.wait()
+        return stats
+    stats = extract_features(target, sequences, out, shard_tokens, hidden=True, dtype=d.feature_dtype,
+                             rank=workers.rank, world=workers.world)
+    workers.wait()
+    if workers.rank == 0:
+        merged = merge_parts(out, workers.world)
+        stats = {**stats, "sequences": merged["sequences_done"], "tokens": sum(s["tokens"] for s in merged["shards"]),
+                 "bytes": sum((out / s["file"]).stat().st_size for s in merged["shards"])}
+        stats["bytes_per_token"] = round(stats["bytes"] / max(stats["tokens"], 1), 1)
+    workers.wait()
+    return stats

@@ -1,19 +1,24 @@
 """Regeneration: assistant turns re-written by the target, so the draft imitates the deployed model.
 
 Decoding runs on the project's own runtime (inference/runtime.py: static KV cache, right-padded batches, plain
-decoding, Llama-style targets) in `dtype`, bfloat16 by default: 292 vs 116 tok/s for HF `generate` in float32 on
-SmolLM2, batch 16, 2 CPU threads (eval/regen_bench.py). The text is what the target deployed in that dtype writes;
-greedy bf16 and fp32 continuations can part after a few dozen tokens.
+decoding, Llama-style targets) in `dtype`, bfloat16 by default (eval/regen_bench.py measures it against HF
+`generate`), or on an OpenAI-compatible serving engine (data.regen_backend=openai: vLLM / SGLang, tensor-parallel
+for large targets). The text is what the target deployed in that dtype writes; greedy bf16 and fp32 continuations can
+part after a few dozen tokens.
 
-Batched (prompts sorted by length to cut padding), seeded per batch, written to JSONL as each batch finishes and
-resumed by skipping batches already on disk — a killed run loses at most one batch and, since batches are formed
-the same way every time, the resumed file equals the uninterrupted one.
+Batched (prompts sorted by length to cut padding), seeded per batch, appended to JSONL as each batch finishes and
+resumed by skipping records already on disk: a torn last line is cut off (the file is truncated, never rewritten),
+a batch only partly on disk is generated again whole (batch composition shapes the numerics) and only its missing
+records are appended, so a kill at any byte loses and duplicates nothing and the resumed file holds the records of
+an uninterrupted run. Split over W ranks, rank r generates batches r, r + W, ... into its own part file; the main
+process merges the parts in batch order (merge_parts), which is exactly the single-process file.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +29,7 @@ from data.chat import prompt_ids
 from data.readers import Conversation
 from inference.runtime import Runtime
 from inference.sampling import SamplingConfig
+from models.errors import DraftheadsError
 from models.target import Target, _parse_dtype
 
 
@@ -34,22 +40,41 @@ def _user_turns(conv: Conversation, turns: int) -> tuple[list[dict], list[str]]:
 
 
 def _read_done(path: Path) -> dict[int, dict]:
-    """Finished records by id; a half-written last line (a kill mid-write) is dropped and rewritten."""
-    done = {}
+    """Finished records by id. A half-written last line (a kill mid-write) is cut off by truncating the file."""
+    done: dict[int, dict] = {}
     if not path.exists():
         return done
-    good = []
-    for line in path.read_text(encoding="utf-8").split("\n"):  # not splitlines(): text may hold U+2028, U+0085
-        if not line.strip():
-            continue
-        try:
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1  # complete lines end with \n; what follows the last one is torn
+    if end < len(data):
+        os.truncate(path, end)
+    for line in data[:end].split(b"\n"):  # not splitlines(): text may hold U+2028, U+0085
+        if line.strip():
             rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        done[rec["id"]] = rec
-        good.append(line)
-    path.write_text("".join(l + "\n" for l in good), encoding="utf-8")
+            done[rec["id"]] = rec
     return done
+
+
+def plan_batches(tokenizer, conversations: list[Conversation], turns: int, batch_size: int,
+                 max_prompt_tokens: int) -> tuple[list[list[tuple]], int]:
+    """(batches of (n_prompt, id, system, user turns), prompts skipped as too long): sorted by prompt length, so every
+    process and every rerun forms the same batches."""
+    items, skipped_long = [], 0
+    for i, conv in enumerate(conversations):
+        system, users = _user_turns(conv, turns)
+        if not users:
+            continue
+        n_prompt = len(prompt_ids(tokenizer, system + [{"role": "user", "content": users[0]}]))
+        if n_prompt > max_prompt_tokens:
+            skipped_long += 1
+            continue
+        items.append((n_prompt, i, system, users))
+    items.sort(key=lambda x: (x[0], x[1]))
+    return [items[j: j + batch_size] for j in range(0, len(items), batch_size)], skipped_long
+
+
+def part_path(out_path: Path, rank: int, world: int) -> Path:
+    return out_path if world == 1 else out_path.with_name(f"{out_path.stem}.part_{rank}-of-{world}{out_path.suffix}")
 
 
 @torch.no_grad()
@@ -64,77 +89,143 @@ def regenerate(
     seed: int = 0,
     max_prompt_tokens: int = 1024,
     dtype: str = "bfloat16",
+    rank: int = 0,
+    world: int = 1,
+    backend: str = "runtime",
+    server: str | None = None,
 ) -> dict:
     """Write one JSONL record per conversation: {"id", "conversation", "finished": [bool per turn], "new_tokens"}.
+    With world > 1 this rank writes its batches to its part file (the main process then calls merge_parts).
+    backend: "runtime" (the project's runtime on `target`) or "openai" (the chat server at `server`).
 
     Returns counts and tokens/s. Prompts longer than max_prompt_tokens are skipped and counted.
     """
+    if backend not in ("runtime", "openai"):
+        raise DraftheadsError(f"data.regen_backend '{backend}' is not 'runtime' or 'openai'")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tok = target.tokenizer
-    done = _read_done(out_path)
-    items, skipped_long = [], 0
-    for i, conv in enumerate(conversations):
-        system, users = _user_turns(conv, turns)
-        if not users:
-            continue
-        n_prompt = len(prompt_ids(tok, system + [{"role": "user", "content": users[0]}]))
-        if n_prompt > max_prompt_tokens:
-            skipped_long += 1
-            continue
-        items.append((n_prompt, i, system, users))
-    items.sort(key=lambda x: (x[0], x[1]))
-    decoder = _decoder(target, dtype)
-    batches = [items[j : j + batch_size] for j in range(0, len(items), batch_size)]
+    mine = part_path(out_path, rank, world)
+    done = {**(_read_done(out_path) if world > 1 and out_path.exists() else {}), **_read_done(mine)}
+    batches, skipped_long = plan_batches(target.tokenizer, conversations, turns, batch_size, max_prompt_tokens)
+    decoder = None
     new_tokens, t0 = 0, time.perf_counter()
-    with open(out_path, "a", encoding="utf-8") as f:
-        for b, batch in enumerate(tqdm(batches, desc="regenerate", unit="batch")):
-            if all(i in done for _, i, _, _ in batch):
+    with open(mine, "a", encoding="utf-8") as f:
+        for b, batch in enumerate(tqdm(batches, desc="regenerate", unit="batch", position=rank)):
+            if b % world != rank or all(i in done for _, i, _, _ in batch):
                 continue
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + b)
-            chats = [list(system) for _, _, system, _ in batch]
-            finished = [[] for _ in batch]
-            for turn in range(turns):
-                active = [j for j, (_, _, _, users) in enumerate(batch) if turn < len(users)]
-                if not active:
-                    break
-                for j in active:
-                    chats[j].append({"role": "user", "content": batch[j][3][turn]})
-                texts, n_new = _generate(decoder, [chats[j] for j in active], max_new, temperature, gen)
-                for j, (text, done_flag) in zip(active, texts):
-                    chats[j].append({"role": "assistant", "content": text})
-                    finished[j].append(done_flag)
-                new_tokens += n_new
-            for j, (_, i, _, _) in enumerate(batch):
-                rec = {"id": i, "conversation": chats[j], "finished": finished[j]}
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            decoder = decoder or (ServerChat(server) if backend == "openai" else RuntimeChat(target, dtype))
+            records, n_new = _generate_batch(decoder, batch, turns, max_new, temperature, seed * 1_000_003 + b)
+            new_tokens += n_new
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records if r["id"] not in done))
             f.flush()
     elapsed = time.perf_counter() - t0
-    return {"records": len(items), "skipped_long_prompt": skipped_long, "new_tokens": new_tokens,
+    return {"records": sum(map(len, batches)), "skipped_long_prompt": skipped_long, "new_tokens": new_tokens,
             "seconds": round(elapsed, 2), "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1), "dtype": dtype}
 
 
-def _decoder(target: Target, dtype: str) -> Target:
-    """The target in the decoding dtype (a copy when it differs; features still come from the original)."""
-    torch_dtype = _parse_dtype(dtype)
-    if torch_dtype == target.dtype:
-        return target
-    return Target(copy.deepcopy(target.model).to(torch_dtype), target.tokenizer, target.name, target.layer_ids)
+def merge_parts(tokenizer, conversations: list[Conversation], out_path: str | Path, world: int, turns: int,
+                batch_size: int, max_prompt_tokens: int) -> None:
+    """The main process, after every rank finished: out_path = the parts' records in batch order (the file one process
+    writes), replaced atomically."""
+    out_path = Path(out_path)
+    records = _read_done(out_path) if out_path.exists() else {}
+    for r in range(world):
+        records.update(_read_done(part_path(out_path, r, world)))
+    batches, _ = plan_batches(tokenizer, conversations, turns, batch_size, max_prompt_tokens)
+    order = [i for batch in batches for _, i, _, _ in batch]
+    missing = [i for i in order if i not in records]
+    if missing:
+        raise DraftheadsError(f"regeneration parts in '{out_path.parent}' lack {len(missing)} records (e.g. id "
+                              f"{missing[0]}); rerun the same command to finish them")
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(records[i], ensure_ascii=False) + "\n" for i in order), encoding="utf-8")
+    os.replace(tmp, out_path)
 
 
-def _generate(target: Target, chats: list[Conversation], max_new: int, temperature: float,
-              gen: torch.Generator) -> tuple[list[tuple[str, bool]], int]:
-    """One batched pass of the runtime (plain decoding); returns (text, hit_eos) per chat and the tokens made."""
-    tok = target.tokenizer
-    prompts = [prompt_ids(tok, c) for c in chats]
-    runtime = Runtime(target, max_len=max(len(p) for p in prompts) + max_new + 1, batch_size=len(prompts),
-                      row_invariant=False)  # plain decoding only: nothing to be equal to
-    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-    out = runtime.generate(prompts, max_new, sampling=SamplingConfig(temperature=temperature), seed=seed)
-    results, n_new = [], 0
-    for row in out.tokens:
-        hit_eos = bool(row) and row[-1] in runtime.eos
-        body = row[:-1] if hit_eos else row
-        n_new += len(row)
-        results.append((tok.decode(body, skip_special_tokens=True), hit_eos))
-    return results, n_new
+def _generate_batch(decoder, batch: list[tuple], turns: int, max_new: int, temperature: float,
+                    seed: int) -> tuple[list[dict], int]:
+    """Records of one batch, turn by turn (each turn follows the target's own previous answer), seeded per batch."""
+    gen = torch.Generator().manual_seed(seed)
+    chats = [list(system) for _, _, system, _ in batch]
+    finished: list[list[bool]] = [[] for _ in batch]
+    new_tokens = 0
+    for turn in range(turns):
+        active = [j for j, (_, _, _, users) in enumerate(batch) if turn < len(users)]
+        if not active:
+            break
+        for j in active:
+            chats[j].append({"role": "user", "content": batch[j][3][turn]})
+        texts, n_new = decoder.generate([chats[j] for j in active], max_new, temperature, gen)
+        for j, (text, done_flag) in zip(active, texts):
+            chats[j].append({"role": "assistant", "content": text})
+            finished[j].append(done_flag)
+        new_tokens += n_new
+    return [{"id": i, "conversation": chats[j], "finished": finished[j]} for j, (_, i, _, _) in enumerate(batch)], \
+        new_tokens
+
+
+class RuntimeChat:
+    """The project's runtime as the generator: the target in the decoding dtype (a copy when it differs; features
+    still come from the original), plain batched decoding."""
+
+    def __init__(self, target: Target, dtype: str):
+        torch_dtype = _parse_dtype(dtype)
+        self.target = target if torch_dtype == target.dtype else Target(
+            copy.deepcopy(target.model).to(torch_dtype), target.tokenizer, target.name, target.layer_ids)
+
+    def generate(self, chats: list[Conversation], max_new: int, temperature: float,
+                 gen: torch.Generator) -> tuple[list[tuple[str, bool]], int]:
+        """(text, hit_eos) per chat and the tokens made, in one batched pass."""
+        tok = self.target.tokenizer
+        prompts = [prompt_ids(tok, c) for c in chats]
+        runtime = Runtime(self.target, max_len=max(len(p) for p in prompts) + max_new + 1, batch_size=len(prompts),
+                          row_invariant=False)  # plain decoding only: nothing to be equal to
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        out = runtime.generate(prompts, max_new, sampling=SamplingConfig(temperature=temperature), seed=seed)
+        results, n_new = [], 0
+        for row in out.tokens:
+            hit_eos = bool(row) and row[-1] in runtime.eos
+            body = row[:-1] if hit_eos else row
+            n_new += len(row)
+            results.append((tok.decode(body, skip_special_tokens=True), hit_eos))
+        return results, n_new
+
+
+class ServerChat:
+    """An OpenAI-compatible chat server as the generator (vLLM, SGLang: tensor-parallel serving of targets too large
+    for one device, as speculators and SpecForge regenerate). A batch's chats go out at once, one request each (the
+    server batches them), greedy at temperature 0, seeded per request. The server applies the model's chat template."""
+
+    def __init__(self, url: str, timeout: float = 3600.0):
+        self.url, self.timeout = url.rstrip("/"), timeout
+        self.model = self._request("/models")["data"][0]["id"]
+
+    def _request(self, path: str, body: dict | None = None) -> dict:
+        import urllib.error
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                return json.load(r)
+        except (urllib.error.URLError, OSError) as e:
+            raise DraftheadsError(f"regeneration server {self.url} did not answer {path} ({e}); start one (e.g. "
+                                  "python -m vllm.entrypoints.openai.api_server --model DIR) and set "
+                                  "data.regen_server, or use data.regen_backend=runtime") from None
+
+    def generate(self, chats: list[Conversation], max_new: int, temperature: float,
+                 gen: torch.Generator) -> tuple[list[tuple[str, bool]], int]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+
+        def one(j: int):
+            out = self._request("/chat/completions", {"model": self.model, "messages": chats[j], "max_tokens": max_new,
+                                                      "temperature": temperature, "seed": seed + j})
+            choice = out["choices"][0]
+            return (choice["message"]["content"], choice["finish_reason"] == "stop"), out["usage"]["completion_tokens"]
+
+        with ThreadPoolExecutor(max_workers=len(chats)) as pool:
+            answers = list(pool.map(one, range(len(chats))))
+        return [a for a, _ in answers], sum(n for _, n in answers)

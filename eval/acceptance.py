@@ -200,7 +200,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, target=None) -> dict:
+    """The benchmark; `target` (already loaded, e.g. by train.distill) is used when given."""
     from inference.sources import build_source, source_layer_ids
     from models.target import load_target
 
@@ -210,7 +211,9 @@ def run(args: argparse.Namespace) -> dict:
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = load_prompts(args.prompts, categories, args.limit)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
-    target = load_target(args.target, path=args.target_path, layer_ids=source_layer_ids(args.source), dtype=args.dtype)
+    if target is None:
+        target = load_target(args.target, path=args.target_path, layer_ids=source_layer_ids(args.source),
+                             dtype=args.dtype)
     source = build_source(args.source, target)
     tallies = measure(target, source, prompts, args.k, sampling, args.max_new, args.seed, not args.no_progress,
                       args.save_tokens, args.engine)

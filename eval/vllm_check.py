@@ -22,6 +22,7 @@ Prints one JSON line last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -132,16 +133,59 @@ def check_vllm_python(vllm_python: str) -> None:
                               f"install it with `{INSTALL_HINT}`")
 
 
+def vllm_env(work: Path) -> dict:
+    """The environment vLLM's CPU build runs in here (VLLM_ENV, vision packages marked absent by a sitecustomize)."""
+    startup = work / "vllm_startup"
+    startup.mkdir(parents=True, exist_ok=True)
+    (startup / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return {**os.environ, **{k: v for k, v in VLLM_ENV.items() if k not in os.environ}, "PYTHONPATH": str(startup)}
+
+
+@contextlib.contextmanager
+def vllm_server(vllm_python: str, model_dir: str, work: Path, port: int = 8765, max_model_len: int = 1024,
+                dtype: str = "float32", startup_s: float = 600.0):
+    """vLLM's OpenAI-compatible server on `model_dir` for the duration of the block; yields its base URL
+    (http://127.0.0.1:PORT/v1). The log is work/vllm_server.log."""
+    import urllib.request
+
+    from models.errors import DraftheadsError
+
+    check_vllm_python(vllm_python)
+    work.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    log_path = work / "vllm_server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                                 "--dtype", dtype, "--port", str(port), "--max-model-len", str(max_model_len),
+                                 "--enforce-eager", "--seed", "0"], stdout=log, stderr=subprocess.STDOUT,
+                                env=vllm_env(work), cwd=work)
+    try:
+        deadline = time.time() + startup_s
+        while True:
+            try:
+                urllib.request.urlopen(url + "/models", timeout=5).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    tail = "\n".join(log_path.read_text().splitlines()[-15:])
+                    raise DraftheadsError(f"vLLM's server did not come up (log {log_path}):\n{tail}") from None
+                time.sleep(2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def run_vllm(vllm_python: str, job: dict, work: Path) -> dict:
     from models.errors import DraftheadsError
 
     in_path, out_path, log_path = work / "vllm_in.json", work / "vllm_out.json", work / "vllm.log"
     in_path.write_text(json.dumps(job))
     out_path.unlink(missing_ok=True)
-    startup = work / "vllm_startup"
-    startup.mkdir(exist_ok=True)
-    (startup / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {**os.environ, **{k: v for k, v in VLLM_ENV.items() if k not in os.environ}, "PYTHONPATH": str(startup)}
+    env = vllm_env(work)
     with open(log_path, "w") as log:
         proc = subprocess.run([vllm_python, str(Path(__file__).resolve()), "--worker", str(in_path), str(out_path)],
                               stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)

@@ -66,10 +66,16 @@ class TargetOutput:
 
 
 class Target:
-    """A frozen causal LM with hooks on the configured layers. Eval mode, no gradients."""
+    """A frozen causal LM with hooks on the configured layers. Eval mode, no gradients.
 
-    def __init__(self, model: nn.Module, tokenizer, name: str, layer_ids: tuple[int, ...] | None = None):
+    `parts`: "all", or "head_inputs" (embedding, final norm and LM head only: what a head reads when training from
+    offline features; the decoder layers stay on the meta device). `sharded`: its decoder layers are FSDP2 shards over
+    the process group (every rank runs the forward together)."""
+
+    def __init__(self, model: nn.Module, tokenizer, name: str, layer_ids: tuple[int, ...] | None = None,
+                 parts: str = "all", sharded: bool = False):
         self.model = model.eval().requires_grad_(False)
+        self.parts, self.sharded = parts, sharded
         self.tokenizer = tokenizer
         self.name = name
         cfg = model.config
@@ -141,6 +147,9 @@ class Target:
         use_cache: bool = False,
         compute_logits: bool = True,
     ) -> TargetOutput:
+        if self.parts != "all":
+            raise DraftheadsError(f"target '{self.name}' was loaded without its decoder layers (parts={self.parts}: "
+                                  "enough to train from offline features); load it whole to run it")
         self._captured.clear()
         cache_kw = {CACHE_KWARG: past_key_values} if past_key_values is not None else {}
         out = self.model.model(
@@ -177,19 +186,94 @@ def load_target(
     layer_ids: list[int] | None = None,
     dtype: str = "float32",
     device: str = "cpu",
+    parts: str = "all",
+    shard: bool = False,
 ) -> Target:
-    """Load a frozen target from a built-in name, a local directory, a .gguf file or a hub id.
+    """Load a frozen target from a built-in name, a local directory, a .gguf file or a hub id, onto `device`.
 
-    `path` overrides where the weights come from (a directory or a .gguf); `name` is what the
-    fingerprint records.
+    `path` overrides where the weights come from (a directory or a .gguf); `name` is what the fingerprint records.
+    parts="head_inputs" reads only the embedding, final norm and LM head. shard=True (inside a process group) splits
+    every decoder layer over the ranks with FSDP2; each rank reads only its rows of each weight from the files.
     """
     torch_dtype = _parse_dtype(dtype)
-    if name == TINY_TARGET and path is None:
+    if parts not in ("all", "head_inputs"):
+        raise DraftheadsError(f"target parts '{parts}' is not 'all' or 'head_inputs'")
+    if name == TINY_TARGET and path is None:  # built in memory: tiny, so load whole, then keep what is asked for
         model, tok = tiny_random_llama()
-    else:
-        directory = resolve_target_dir(name, path)
+        model = model.to(device=device, dtype=torch_dtype)
+        if shard:
+            _shard_layers(model)
+        return Target(model, tok, name, tuple(layer_ids) if layer_ids else None, "all", shard)
+    directory = resolve_target_dir(name, path)
+    if parts == "all" and not shard:
         model, tok = _load_dir(directory, torch_dtype, device)
-    return Target(model.to(device=device, dtype=torch_dtype), tok, name, tuple(layer_ids) if layer_ids else None)
+        model = model.to(device=device, dtype=torch_dtype)
+    else:
+        model, tok = _load_parts(directory, torch_dtype, device, with_layers=parts == "all")
+    return Target(model, tok, name, tuple(layer_ids) if layer_ids else None, parts, shard)
+
+
+HEAD_INPUTS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def _load_parts(directory: Path, torch_dtype: torch.dtype, device: str, with_layers: bool):
+    """The model skeleton without weights (accelerate's init_empty_weights), then the head inputs read from the
+    safetensors files; with_layers: also every decoder layer, FSDP2-sharded, each rank reading its rows only."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    with init_empty_weights():  # parameters on the meta device; buffers (RoPE frequencies) real
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    files = _weight_files(directory)
+    for name in HEAD_INPUTS:
+        if name in files:
+            with safe_open(str(files[name]), framework="pt") as f:
+                set_module_tensor_to_device(model, name, device, value=f.get_tensor(name).to(torch_dtype))
+    if "lm_head.weight" not in files:
+        model.tie_weights()
+    model.model.rotary_emb.to(device)
+    if with_layers:
+        _shard_layers(model)
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        for name, param in model.model.layers.named_parameters(prefix="model.layers"):
+            local = param.to_local()  # this rank's rows of dim 0 (FSDP2 chunks dim 0 like torch.chunk)
+            rows = -(-param.shape[0] // world)
+            lo, hi = min(rank * rows, param.shape[0]), min((rank + 1) * rows, param.shape[0])
+            with safe_open(str(files[name]), framework="pt") as f, torch.no_grad():
+                local.copy_(f.get_slice(name)[lo:hi].to(torch_dtype))
+    return model, AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (one file, or an index's shards)."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: directory / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        raise DraftheadsError(f"target directory '{directory}' has no model.safetensors (or its index); partial and "
+                              "sharded loading read safetensors files only")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def _shard_layers(model) -> None:
+    """FSDP2: every decoder layer split over the process group (the embedding, norm and LM head stay whole: the head
+    reads them outside the target's forward). Meta layers get empty local shards on the model's device."""
+    from torch.distributed.fsdp import fully_shard
+
+    if not torch.distributed.is_initialized():
+        raise DraftheadsError("a sharded target needs a process group: launch with accelerate.num_processes > 1")
+    device = model.model.rotary_emb.inv_freq.device
+    for layer in model.model.layers:
+        fully_shard(layer, reshard_after_forward=True)
+        if any(p.is_meta for p in layer.parameters()):
+            layer.to_empty(device=device)
 
 
 def resolve_target_dir(name: str, path: str | None) -> Path:

@@ -1,8 +1,11 @@
 """One rank of tests/test_multiprocess.py: train a tiny head with the real train_draft and record which micro-batches
 (and sequence ids) this rank read.
 
-    python tests/multiprocess_worker.py OUT GRAD_ACCUM single                       # 1 process
+    python tests/multiprocess_worker.py OUT GRAD_ACCUM single [online]              # 1 process
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/multiprocess_worker.py OUT GRAD_ACCUM ddp
+
+`online`: the items carry tokens only and the target computes hidden states in the step; under zero3 the target's
+decoder layers are FSDP2-sharded over the ranks.
 """
 
 import json
@@ -16,28 +19,28 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conf.schema import Config  # noqa: E402
-from models.target import Target, tiny_random_llama  # noqa: E402
+from models.target import Target, _shard_layers, tiny_random_llama  # noqa: E402
 from train import trainer  # noqa: E402
+from train.distributed import make_accelerator  # noqa: E402
 
 
-def features(target, n=10, T=40):
+def features(target, n=10, T=40, hidden=True):
     """Periodic token streams (as tests/test_trainer.py tiny_features): something definite to learn."""
     g = torch.Generator().manual_seed(0)
     items = []
     for _ in range(n):
         period = int(torch.randint(2, 6, (1,), generator=g))
         ids = torch.randint(0, 256, (period,), generator=g).repeat(T // period + 1)[:T]
-        out = target(ids[None])
         mask = torch.arange(T) >= 4
-        items.append({"input_ids": ids, "loss_mask": mask, "aux_hidden": out.aux_hidden[0].float(),
-                      "final_hidden": out.final_hidden[0].float()})
+        items.append({"input_ids": ids, "loss_mask": mask})
+        if hidden:
+            out = target(ids[None])
+            items[-1] |= {"aux_hidden": out.aux_hidden[0].float(), "final_hidden": out.final_hidden[0].float()}
     return items
 
 
-def main(out: str, grad_accum: int, strategy: str) -> None:
+def main(out: str, grad_accum: int, strategy: str, online: bool) -> None:
     torch.set_num_threads(1)
-    model, tok = tiny_random_llama(num_layers=6, seed=1)
-    target = Target(model, tok, "tiny-random-llama")
     cfg = OmegaConf.structured(Config)
     cfg.name, cfg.output_dir, cfg.target.name = "mp", out, "tiny-random-llama"
     cfg.draft.k, cfg.draft.num_layers = 3, 1
@@ -45,6 +48,12 @@ def main(out: str, grad_accum: int, strategy: str) -> None:
     for key, v in dict(steps=8, batch_size=2, grad_accum=grad_accum, lr=1e-2, warmup_steps=2, checkpoint_every=4,
                        log_every=1, holdout_sequences=3, eval_every=4).items():
         cfg.train[key] = v
+    accelerator = make_accelerator(cfg.accelerate, cfg.train, "cpu")
+    model, tok = tiny_random_llama(num_layers=6, seed=1)
+    sharded = online and strategy == "zero3"
+    if sharded:
+        _shard_layers(model)
+    target = Target(model, tok, "tiny-random-llama", sharded=sharded)
     seen, real = [], trainer.batch_indices
 
     def recording(micro, batch_size, n, seed):
@@ -53,10 +62,35 @@ def main(out: str, grad_accum: int, strategy: str) -> None:
         return ids
 
     trainer.batch_indices = recording
-    trainer.train_draft(cfg, target, features(target), out)
+    trainer.train_draft(cfg, target, features(target, hidden=not online), out, accelerator=accelerator)
     rank = int(os.environ.get("RANK", "0"))
     Path(out, f"batches_rank{rank}.json").write_text(json.dumps(seen))
 
 
+def sharded_target(model_dir: str, out: str) -> None:
+    """`target MODEL_DIR OUT`: the target loaded whole, FSDP2-sharded from its files, and as head inputs only; writes
+    how far the sharded forward is from the whole one and what each rank holds."""
+    from models.target import load_target
+
+    cfg = OmegaConf.structured(Config)
+    cfg.accelerate.strategy = "ddp"
+    make_accelerator(cfg.accelerate, cfg.train, "cpu")
+
+    whole, sharded = load_target("x", model_dir), load_target("x", model_dir, shard=True)
+    light = load_target("x", model_dir, parts="head_inputs")
+    rank = int(os.environ.get("RANK", "0"))
+    ids = torch.randint(0, 250, (2, 17), generator=torch.Generator().manual_seed(rank))
+    a, b = whole(ids), sharded(ids)
+    local = sum(p.to_local().numel() for p in sharded.model.model.layers.parameters())
+    Path(out, f"target_rank{rank}.json").write_text(json.dumps({
+        "aux": float((a.aux_hidden - b.aux_hidden).abs().max()), "logits": float((a.logits - b.logits).abs().max()),
+        "layer_params_here": local, "layer_params": sum(p.numel() for p in whole.model.model.layers.parameters()),
+        "light_meta_layers": all(p.is_meta for p in light.model.model.layers.parameters()),
+        "light_lm_head_equal": torch.equal(light.model.lm_head.weight, whole.model.lm_head.weight)}))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    if sys.argv[1] == "target":
+        sharded_target(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:] == ["online"])

@@ -24,8 +24,12 @@ def test_smoke_experiment_runs_end_to_end_and_resumes(tmp_path):
     assert all(1.0 <= row["tau"] <= 5.0 for row in report["eval"])
     regenerated = (tmp_path / "data" / "regenerated.jsonl").read_text()
 
-    again = _run(tmp_path)  # everything is on disk: nothing is regenerated or re-extracted
+    again = _run(tmp_path)  # everything is on disk with the same settings: the data stage is skipped
     assert again.returncode == 0, again.stderr[-2000:]
-    report2 = json.loads((tmp_path / "run_report.json").read_text())
-    assert report2["data"]["regenerate"]["new_tokens"] == 0 and report2["data"]["features"]["new_tokens"] == 0
+    assert "[draftheads] data: ready in" in again.stdout
     assert (tmp_path / "data" / "regenerated.jsonl").read_text() == regenerated
+    more = _run(tmp_path, "data.max_records=10")  # a setting that shapes the data: the stage runs and extends
+    assert more.returncode == 0, more.stderr[-2000:]
+    report3 = json.loads((tmp_path / "run_report.json").read_text())
+    assert report3["data"]["conversations"] == 10 and report3["data"]["features"]["new_tokens"] > 0
+    assert (tmp_path / "data" / "regenerated.jsonl").read_text().startswith(regenerated)

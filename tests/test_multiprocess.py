@@ -22,9 +22,9 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def _worker(out: Path, grad_accum: int, strategy: str):
+def _worker(out: Path, grad_accum: int, strategy: str, online: bool = False):
     cmd = [*(TORCHRUN if strategy != "single" else [sys.executable]), "tests/multiprocess_worker.py", str(out),
-           str(grad_accum), strategy]
+           str(grad_accum), strategy, *(["online"] if online else [])]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
@@ -32,17 +32,25 @@ def _worker(out: Path, grad_accum: int, strategy: str):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """The reference: global batch = 2 micro-batches x 2 sequences in one process."""
-    return _worker(tmp_path_factory.mktemp("one"), grad_accum=2, strategy="single")
+    """The references, offline and online: global batch = 2 micro-batches x 2 sequences in one process."""
+    runs = {}
+
+    def get(online: bool) -> Path:
+        if online not in runs:
+            runs[online] = _worker(tmp_path_factory.mktemp("one"), grad_accum=2, strategy="single", online=online)
+        return runs[online]
+
+    return get
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
-def test_two_ranks_read_the_single_process_global_batch_and_follow_its_curve(one_process, tmp_path, strategy):
+@pytest.mark.parametrize("strategy,online", [("ddp", False), ("zero2", False), ("zero3", False), ("zero3", True)])
+def test_two_ranks_read_the_single_process_global_batch_and_follow_its_curve(one_process, tmp_path, strategy, online):
     """The same global batch over 2 ranks (data parallel, DeepSpeed ZeRO-2 and ZeRO-3 on gloo): same curve, same head
-    (ZeRO-3's is gathered from shards onto the main process)."""
+    (ZeRO-3's is gathered from shards onto the main process). Online, the target's decoder layers are FSDP2-sharded
+    over the 2 ranks and compute the hidden states in the step; the reference runs a whole target in one process."""
     if strategy != "ddp":
         pytest.importorskip("deepspeed")
-    one, two = one_process, _worker(tmp_path / "two", grad_accum=1, strategy=strategy)
+    one, two = one_process(online), _worker(tmp_path / "two", grad_accum=1, strategy=strategy, online=online)
     ref = json.loads((one / "batches_rank0.json").read_text())
     ranks = [json.loads((two / f"batches_rank{r}.json").read_text()) for r in (0, 1)]
     micros = [{b["micro"] for b in rank} for rank in ranks]
@@ -122,6 +130,49 @@ def test_launch_kill_9_and_relaunch_continue_the_curve_with_one_copy_of_every_ou
         assert len(list((run / "hydra").iterdir())) == launches
         assert not list(run.rglob("*.tmp"))
         assert (run / "run_report.json").is_file() and (run / "resolved_config.yaml").is_file()
+
+
+def test_a_sharded_target_reads_its_rows_from_the_files_and_computes_what_the_whole_one_does(tmp_path):
+    from models.target import tiny_random_llama
+
+    model, tok = tiny_random_llama(num_layers=4)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    r = subprocess.run([*TORCHRUN, "tests/multiprocess_worker.py", "target", str(tmp_path / "model"), str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"target_rank{i}.json").read_text()) for i in (0, 1)]
+    for got in ranks:
+        assert got["aux"] == 0.0 and got["logits"] == 0.0  # measured: bitwise equal
+        assert got["light_meta_layers"] and got["light_lm_head_equal"]
+    assert sum(g["layer_params_here"] for g in ranks) == ranks[0]["layer_params"]  # each rank holds half
+    assert ranks[0]["layer_params_here"] == ranks[1]["layer_params_here"]
+
+
+def test_two_processes_split_the_data_stage_and_merge_what_one_process_writes(tmp_path):
+    """Regeneration (batches round-robin over ranks) and feature extraction (a contiguous block per rank) in 2
+    processes give the records and features of 1 process: same ids, same text at T=0, same tokens."""
+    from data.features import FeatureDataset
+
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"p{n}"
+        extra = ["accelerate=ddp", "accelerate.num_processes=2"] if n == 2 else []
+        r = subprocess.run([sys.executable, "-m", "train.distill", "+experiment=smoke", f"output_dir={out}",
+                            "data.max_records=20", "data.regen_batch_size=4", "train.stages=[]", "eval.limit=0",
+                            "runtime.threads=2", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[n] = out
+    one, two = (runs[n] / "data" / "regenerated.jsonl" for n in (1, 2))
+    assert one.read_bytes() == two.read_bytes() and len(one.read_text().splitlines()) >= 12
+    assert sorted(p.name for p in (runs[2] / "data").glob("regenerated.part_*")) == [
+        "regenerated.part_0-of-2.jsonl", "regenerated.part_1-of-2.jsonl"]
+    a, b = FeatureDataset(runs[1] / "data" / "features"), FeatureDataset(runs[2] / "data" / "features")
+    assert b.manifest["parts"] == 2 and len(a) == len(b) > 8
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+        torch.testing.assert_close(y["aux_hidden"], x["aux_hidden"], atol=0.02, rtol=0.01)  # bf16, other packing
 
 
 def _compose(*overrides):

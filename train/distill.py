@@ -31,48 +31,69 @@ register_configs()
 
 
 def run(cfg: DictConfig) -> dict:
-    """One run in this process (one rank of N when launched by torchrun): the main process writes every file."""
-    from data.prepare import prepare_data
+    """One run in this process (one rank of N when launched by torchrun): the main process writes every file.
+
+    The target is loaded onto this rank's device only after the process group exists, and only as much of it as the
+    work needs: its embedding, norm and LM head to train from offline features; all of it for the data stage, online
+    features, RL and evaluation, with decoder layers FSDP2-sharded over the ranks under accelerate=fsdp / zero3."""
+    from data.prepare import Workers, data_settings, prepare_data, ready_report
     from models.target import load_target
     from train.distributed import die_with_launcher, make_accelerator
 
     die_with_launcher()
     accelerator = make_accelerator(cfg.accelerate, cfg.train, cfg.runtime.device)  # the process group exists from here
-    main = accelerator.is_main_process
+    main, world = accelerator.is_main_process, accelerator.num_processes
     threads = max(1, cfg.runtime.threads // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # the machine's cores, shared
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
-    out = Path(cfg.output_dir)
+    out, d = Path(cfg.output_dir), cfg.data
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    target = load_target(cfg.target.name, cfg.target.path, cfg.target.layer_ids, cfg.target.dtype, str(accelerator.device))
+    sharded = cfg.accelerate.strategy in ("fsdp", "zero3") and world > 1
+    t = cfg.target
+
+    def load(parts: str = "all", shard: bool = sharded):
+        return load_target(t.name, t.path, t.layer_ids, t.dtype, str(accelerator.device), parts=parts, shard=shard)
+
+    target = load("head_inputs")
     if main:
         print(f"[draftheads] target {target.name}: {target.num_layers} layers, hidden {target.hidden_size}, "
               f"vocab {target.vocab_size}, features from layers {list(target.layer_ids)}; "
-              f"{accelerator.num_processes} process(es) x {threads} thread(s), strategy {cfg.accelerate.strategy}")
-    d = cfg.data
-    if main:  # the data stage runs once; the other ranks wait, then read what it wrote
-        prepare_data(
-            target, out / "data", source=d.source, path=d.path, max_records=d.max_records, skip_records=d.skip_records,
-            max_length=d.max_length, overlong=d.overlong, regen=d.regenerate, regen_max_new=d.regen_max_new,
-            regen_turns=d.regen_turns, regen_batch_size=d.regen_batch_size, regen_temperature=d.regen_temperature,
-            regen_dtype=d.regen_dtype, features=d.features, shard_tokens=d.shard_tokens, seed=cfg.train.seed)
-    accelerator.wait_for_everyone()
-    report = {"data": json.loads((out / "data" / "data_report.json").read_text())}
+              f"{world} process(es) x {threads} thread(s), strategy {cfg.accelerate.strategy}")
+    report = {"data": ready_report(out / "data", data_settings(d, target.fingerprint, cfg.train.seed))}
+    if report["data"] is None:
+        if sharded and d.regenerate and d.regen_backend == "runtime":
+            raise DraftheadsError("the built-in runtime cannot regenerate with a sharded target; set "
+                                  "data.regen_backend=openai (a vLLM / SGLang server at data.regen_server) or prepare "
+                                  "the data with accelerate=ddp first")
+        target = load()
+        report["data"] = prepare_data(target, out / "data", d, cfg.train.seed,
+                                      Workers(accelerator.process_index, world, accelerator.wait_for_everyone))
+    elif main:
+        print(f"[draftheads] data: ready in {out / 'data'} (same settings: {report['data']['settings']['sha256']})")
     if main:
-        print("[draftheads] data:", json.dumps(report["data"]))
+        print("[draftheads] data:", json.dumps({k: v for k, v in report["data"].items() if k != "settings"}))
     sources = list(cfg.eval.sources)
-    if cfg.train.stages and d.features:
+    if cfg.train.stages and d.features != "none":
         from train.trainer import train_draft
 
+        if d.features == "online" or "rl" in cfg.train.stages:  # the target runs in the step
+            target = target if target.parts == "all" else load()
+        elif target.parts == "all":
+            target = load("head_inputs")  # offline: free the decoder layers before training
         report["head"] = str(train_draft(cfg, target, out / "data" / "features", out, accelerator=accelerator))
         sources.append(f"head:{report['head']}")
         if cfg.eval.head_tree and read_draft_config(report["head"])["family"] in TREE_FAMILIES:
             sources.append(f"head:{report['head']},tree=1")
     if main:
         if cfg.eval.limit != 0 and sources:
-            report["eval"] = evaluate(cfg, sources, out / "eval")
+            if sharded:
+                print("[draftheads] eval: skipped (the target is sharded; measure the exported head with a serving "
+                      "engine, or rerun the τ table with eval.acceptance on one device)")
+            else:
+                report["eval"] = evaluate(cfg, sources, out / "eval", target if target.parts == "all" else
+                                          load(shard=False))
         (out / "run_report.json").write_text(json.dumps(report, indent=1))
         print(f"[draftheads] outputs in {out}/")
     accelerator.wait_for_everyone()
@@ -86,8 +107,9 @@ def source_label(spec: str) -> str:
     return f"{name}[{options}]" if options else name
 
 
-def evaluate(cfg: DictConfig, sources: list[str], out: Path) -> list[dict]:
-    """τ of every source at every K and temperature on the eval prompts (never trained on); one table."""
+def evaluate(cfg: DictConfig, sources: list[str], out: Path, target) -> list[dict]:
+    """τ of every source at every K and temperature on the eval prompts (never trained on), with the target already
+    loaded (one load for every row); one table."""
     from eval import acceptance
     from eval.report import markdown_table, write_report
 
@@ -104,7 +126,7 @@ def evaluate(cfg: DictConfig, sources: list[str], out: Path) -> list[dict]:
                     *(["--target-path", cfg.target.path] if cfg.target.path else []),
                     *(["--limit", str(cfg.eval.limit)] if cfg.eval.limit else []),
                     *(["--categories", cfg.eval.categories] if cfg.eval.categories else [])])
-                results = acceptance.run(args)
+                results = acceptance.run(args, target)
                 write_report(args.out, results, acceptance.table(results), f"{source}, k={k}, T={temperature:g}")
                 o = results["overall"]
                 rows.append({"source": label, "k": k, "T": temperature, "tau": o["tau"],

@@ -98,6 +98,8 @@ def make_accelerator(ac, tc, device: str):
 
     check_strategy(ac, device)
     cpu = device == "cpu"
+    if cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed, when imported, would warn while guessing it
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if ac.strategy == "single" and world > 1:
         raise DraftheadsError(f"accelerate.strategy=single but {world} processes were launched; pick accelerate=ddp")

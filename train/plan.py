@@ -8,8 +8,9 @@ parameters, w = 2 bytes under bf16 mixed precision (else 4), t = the target's by
   model states   ddp / single: 16 P  (fp32 weights 4, fp32 gradients 4, AdamW moments 8)
                  zero2:  w P + (16 - w) P / N     (compute weights replicated; gradients, fp32 master, moments sharded)
                  zero3 / fsdp: 16 P / N + 2 w L   (L = the largest head layer, gathered with one prefetched)
-  frozen target  offline: t (embedding + final norm + LM head), replicated; the head reads them
-                 online:  t P_target (single, ddp, zero2: replicated) or t P_target / N + 2 t L_target (fsdp, zero3)
+  frozen target  offline: t F, F = embedding + final norm + LM head (the head reads them), replicated
+                 online:  t P_target (single, ddp, zero2: replicated) or t F + t (P_target - F) / N + 2 t L_target
+                          (fsdp, zero3: decoder layers FSDP2-sharded, L_target = one layer, gathered with one prefetched)
   activations    rows R = b T c per micro-batch (b sequences of T tokens, c = sum_{d<K} decay^d COD rows per token;
                  block heads: b A K for A anchors). The float32 feature batch b T (n + 1) H 4; per row and head layer
                  a (6H + 5q + 2kv + 5I) + 12H bytes saved for backward (q = heads x head_dim, kv = kv_heads x head_dim,
@@ -138,7 +139,7 @@ def memory(s: Sizes, cfg, strategy: str, n_gpus: int, online: bool, device: str 
     if not online:
         frozen = t * s.frozen_params
     elif strategy in ("fsdp", "zero3"):
-        frozen = t * s.target_params / n_gpus + 2 * t * s.target_layer_params
+        frozen = t * s.frozen_params + t * (s.target_params - s.frozen_params) / n_gpus + 2 * t * s.target_layer_params
     else:
         frozen = t * s.target_params
     b, T = tc.batch_size, cfg.data.max_length
@@ -183,6 +184,9 @@ def plan(cfg) -> dict:
         "feature_bytes_per_token": feature_bytes,
         "data": {"max_tokens": max_tokens, "offline_bytes": max_tokens * feature_bytes, "online_bytes": 0},
         "tokens_per_optimizer_step": tc.batch_size * d.max_length * tc.grad_accum * world,
+        # forward + backward over c head rows per token; online adds one no-grad forward of the whole target
+        "gflop_per_token": {"head": round(6 * s.head_params * rows_per_token(cfg) / 1e9, 1),
+                            "online_target": round(2 * s.target_params / 1e9, 1)},
         "configured": {"strategy": ac.strategy, "processes": world, "gib_per_process": configured},
         "table": rows,
     }
@@ -198,6 +202,9 @@ def print_plan(cfg) -> dict:
           f"tokens at most (data.max_records x data.max_length) = {p['data']['offline_bytes'] / tb:,.2f} TB offline, "
           "0 online (the target runs in the training step)")
     print(f"  tokens per optimizer step: {p['tokens_per_optimizer_step']:,} (batch x length x grad_accum x processes)")
+    g = p["gflop_per_token"]
+    print(f"  compute per token: head {g['head']} GFLOP (forward + backward over its COD rows); online adds the "
+          f"target's forward, {g['online_target']} GFLOP ({(g['head'] + g['online_target']) / g['head']:.1f}x)")
     c = p["configured"]
     for mode in ("offline", "online"):
         parts = ", ".join(f"{k} {v}" for k, v in c["gib_per_process"][mode].items())

@@ -208,8 +208,9 @@ def acceptance_stats(expected: Tensor, reward: Tensor, alpha: Tensor, serve_t: f
     return stats
 
 
-def rl_step_fn(core, reference, target, dataset, tc, k: int, device):
-    """The loop's step function; `core` is the head module itself (the loop passes its wrapped form as `model`)."""
+def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None):
+    """The loop's step function; `core` is the head module itself (the loop passes its wrapped form as `model`).
+    `fill` (online runs) adds the target's hidden states to the step's sequences."""
     scorer = scorer_for(target)
 
     def step_fn(model, micro: int, temperature: float):
@@ -229,6 +230,8 @@ def rl_step_fn(core, reference, target, dataset, tc, k: int, device):
                 raise _no_anchor_error(tc)
             items.append(item)
             anchor_lists.append(picked)
+        if fill is not None:
+            items = fill(items)
         r = rollout(model, core, scorer, items, anchor_lists, tc, k, serve_t, g, device)
         N = r.reward.numel()
         loss = -r.expected.mean()
@@ -249,7 +252,7 @@ def rl_step_fn(core, reference, target, dataset, tc, k: int, device):
     return step_fn
 
 
-def rl_validation_fn(head, target, holdout, tc, k: int, device):
+def rl_validation_fn(head, target, holdout, tc, k: int, device, fill=None):
     """validate(model=head, shard) -> {"val_expected_accepted", "val_reward", "val_alpha_1"..,
     "val_serve_temperature", "val_blocks"}: the RL objective itself on every held-out sequence (up to rl_anchors blocks
     each, sequences without a usable anchor skipped), pooled over blocks; chunks split over ranks. Anchors and draws
@@ -266,6 +269,8 @@ def rl_validation_fn(head, target, holdout, tc, k: int, device):
             g = torch.Generator().manual_seed(tc.seed * BLOCK_SEED + HOLDOUT_SEED + chunk)
             start = chunk * tc.batch_size
             items = [holdout[i] for i in range(start, min(start + tc.batch_size, len(holdout)))]
+            if fill is not None:
+                items = fill(items)
             picked = [(it, pick_anchors(it, tc.rl_anchors, tc.rl_max_context, g)) for it in items]
             picked = [(it, a) for it, a in picked if a]
             if not picked:
@@ -328,7 +333,7 @@ def block_logits(core, out, anchors: Tensor, valid: Tensor, k: int) -> Tensor:
     return logits.view(-1, k, logits.shape[-1])
 
 
-def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, stop_at_step=None):
+def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, stop_at_step=None, fill=None):
     """Stage 2 from `head` (the stage-1 result): run_stage's (finished, state, metrics). With held-out sequences it
     logs, at step 0, every train.eval_every steps and at the end, stage 1's val_tau_est and the RL objective itself
     (rl_validation_fn)."""
@@ -339,14 +344,14 @@ def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, s
     reference = frozen_copy(head, target)
     validate = None
     if holdout is not None:
-        tau_est = validation_fn(soft_label_loss(target, tc, k, head.family_name, target.device), holdout,
+        tau_est = validation_fn(soft_label_loss(target, tc, k, head.family_name, target.device, fill), holdout,
                                 tc.batch_size, k)
-        on_policy = rl_validation_fn(head, target, holdout, tc, k, target.device)
+        on_policy = rl_validation_fn(head, target, holdout, tc, k, target.device, fill)
 
         def validate(model, shard: Shard) -> dict:
             return {**tau_est(model, shard), **on_policy(model, shard)}
 
     stage = Stage("rl", tc.rl_steps, tc.rl_lr, min(tc.warmup_steps, tc.rl_steps // 5),
-                  rl_step_fn(head, reference, target, dataset, tc, k, target.device), out / "checkpoints_rl", validate,
+                  rl_step_fn(head, reference, target, dataset, tc, k, target.device, fill), out / "checkpoints_rl", validate,
                   keep_best=False)
     return run_stage(accelerator, head, stage, tc, log, stop_at_step)

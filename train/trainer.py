@@ -116,14 +116,25 @@ def draft_labels(target, head, batch: dict, out, chunk: slice):
     return tgt, labels
 
 
-def soft_label_loss(target, tc, k: int, family: str, device):
+def online_features(dataset, target, dtype: str):
+    """None when the dataset's items carry hidden states (offline); else the target computes them in the step."""
+    from data.features import OnlineFeatures
+
+    has_hidden = getattr(dataset, "hidden", None)
+    if has_hidden is None:
+        has_hidden = "aux_hidden" in dataset[0]
+    return None if has_hidden else OnlineFeatures(target, dtype)
+
+
+def soft_label_loss(target, tc, k: int, family: str, device, fill=None):
     """(model, items, micro, temperature) -> (loss, stats): the soft-label objective on a batch of feature items.
-    Plans (COD depths, or block anchors) are seeded by `micro`; everything that reads the head's parameters runs inside
-    its forward (models.layers.TrainableHead), so a sharded wrapper has them gathered."""
+    `fill` (online runs) adds the target's hidden states to the items first. Plans (COD depths, or block anchors) are
+    seeded by `micro`; everything that reads the head's parameters runs inside its forward
+    (models.layers.TrainableHead), so a sharded wrapper has them gathered."""
     gamma = tc.position_gamma or k
 
     def loss_on(model, items: list[dict], micro: int, temperature: float):
-        batch = collate(items, device)
+        batch = collate(fill(items) if fill is not None else items, device)
         g = torch.Generator().manual_seed(tc.seed * 1_000_003 + micro)
         make_plan = anchor_plan if family in BLOCK_FAMILIES else cod_plan
         knob = tc.anchors_per_sequence if family in BLOCK_FAMILIES else tc.cod_decay
@@ -134,9 +145,9 @@ def soft_label_loss(target, tc, k: int, family: str, device):
     return loss_on
 
 
-def soft_label_step_fn(target, dataset, tc, k: int, family: str, device):
+def soft_label_step_fn(target, dataset, tc, k: int, family: str, device, fill=None):
     """The loop's step function: micro-batch `micro` of the training split (batch_indices)."""
-    loss_on = soft_label_loss(target, tc, k, family, device)
+    loss_on = soft_label_loss(target, tc, k, family, device, fill)
 
     def step_fn(model, micro: int, temperature: float):
         return loss_on(model, [dataset[i] for i in batch_indices(micro, tc.batch_size, len(dataset), tc.seed)], micro,
@@ -251,7 +262,9 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     main = accelerator.is_main_process
     if main:
         out.mkdir(parents=True, exist_ok=True)
-    dataset, holdout = split_holdout(open_features(features, target), tc.holdout_sequences)
+    everything = open_features(features, target)
+    fill = online_features(everything, target, cfg.data.feature_dtype)
+    dataset, holdout = split_holdout(everything, tc.holdout_sequences)
     resolved = OmegaConf.to_yaml(cfg, resolve=True) if OmegaConf.is_config(cfg) else None
     torch.manual_seed(tc.seed)  # every rank builds the same fresh head
     log = RunLog(out / "metrics.jsonl", main, _wandb(cfg, out) if tc.wandb and main else None)
@@ -264,9 +277,9 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
                 print(f"[draftheads] soft_label: already done ({stage_dir})")
         else:
             head = _trainable(_initial_head(dc, target, dataset), tc)
-            loss_on = soft_label_loss(target, tc, dc.k, head.family_name, target.device)
+            loss_on = soft_label_loss(target, tc, dc.k, head.family_name, target.device, fill)
             stage = Stage("soft_label", tc.steps, tc.lr, tc.warmup_steps,
-                          soft_label_step_fn(target, dataset, tc, dc.k, head.family_name, target.device),
+                          soft_label_step_fn(target, dataset, tc, dc.k, head.family_name, target.device, fill),
                           out / "checkpoints", None if holdout is None else validation_fn(loss_on, holdout,
                                                                                           tc.batch_size, dc.k))
             finished, state, metrics = run_stage(accelerator, head, stage, tc, log, stop_at_step)
@@ -282,7 +295,8 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
         if not start:
             raise DraftheadsError("train.stages=[rl] needs draft.init_from=DIR (a stage-1 head) to start from")
         head = _trainable(load_draft(start, target), tc)
-        finished, state, metrics = train_rl(cfg, head, target, dataset, holdout, out, log, accelerator, stop_at_step)
+        finished, state, metrics = train_rl(cfg, head, target, dataset, holdout, out, log, accelerator, stop_at_step,
+                                            fill)
         accelerator.free_memory()
         if not finished:
             return out
@@ -318,7 +332,8 @@ def _initial_head(dc, target, dataset):
         return load_draft(dc.init_from, target)
     vocab = None
     if dc.draft_vocab_size is not None and dc.draft_vocab_size < target.vocab_size:
-        vocab = build_draft_vocab((dataset[i] for i in range(len(dataset))), dc.draft_vocab_size, target.vocab_size)
+        tokens = getattr(dataset, "tokens", dataset.__getitem__)  # ids and masks only, where the dataset can
+        vocab = build_draft_vocab((tokens(i) for i in range(len(dataset))), dc.draft_vocab_size, target.vocab_size)
     return build_draft(dc.family, target, dc.k, dc.num_layers, dc.parallel, vocab, dc.share_lm_head, dict(dc.extra))
 
 
