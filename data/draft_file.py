@@ -19,12 +19,15 @@ tok [V], val_offsets u64 [DV+1].
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 import mmap
 import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -38,6 +41,7 @@ M64 = (1 << 64) - 1
 C1, C2, C3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 SEED = 0x2545F4914F6CDD1D
 U64 = np.uint64
+KEYS_PER_BUCKET = 4  # average keys per bucket of the lookup index
 SECTIONS = ("keys", "key_orders", "key_totals", "key_offsets", "entry_tokens", "entry_counts",
             "corpus_tokens", "doc_offsets", "val_tokens", "val_offsets")
 
@@ -54,14 +58,15 @@ def hash_step(h, t):
     return h ^ (h >> U64(31))
 
 
-def hash_finish(h, k: int):
-    """splitmix64 finaliser of h tagged with the order k, so orders never share keys."""
+def hash_finish(h, k):
+    """splitmix64 finaliser of h tagged with the order k (an int, or an array broadcasting with h), so orders
+    never share keys."""
     if isinstance(h, int):
         z = h ^ (k << 56)
         z = ((z ^ (z >> 30)) * C2) & M64
         z = ((z ^ (z >> 27)) * C3) & M64
         return z ^ (z >> 31)
-    z = h ^ U64(k << 56)
+    z = h ^ (np.asarray(k, dtype=U64) << U64(56))
     z = (z ^ (z >> U64(30))) * U64(C2)
     z = (z ^ (z >> U64(27))) * U64(C3)
     return z ^ (z >> U64(31))
@@ -71,16 +76,17 @@ def context_keys(context: np.ndarray, orders: tuple[int, ...]) -> np.ndarray:
     """Keys [B, len(orders)] of contexts [B, W] (newest token last; -1 = missing, left side); 0 where too short."""
     context = np.asarray(context, dtype=np.int64)
     B, W = context.shape
-    keys = np.zeros((B, len(orders)), dtype=U64)
+    n = max(orders)
+    newest_first = np.full((B, n), -1, np.int64)
+    newest_first[:, :min(n, W)] = context[:, ::-1][:, :n]
+    valid = np.logical_and.accumulate(newest_first >= 0, axis=1)  # [B, n]: the last j+1 tokens are all there
+    t = np.maximum(newest_first, 0)
+    steps = np.empty((B, n), U64)  # steps[:, j] = hash after absorbing the newest j+1 tokens
     h = np.full(B, SEED, dtype=U64)
-    valid = np.ones(B, dtype=bool)
-    for j in range(max(orders)):
-        t = context[:, W - 1 - j] if j < W else np.full(B, -1)
-        valid &= t >= 0
-        h = hash_step(h, np.maximum(t, 0))
-        if j + 1 in orders:
-            keys[:, orders.index(j + 1)] = np.where(valid, hash_finish(h, j + 1), U64(0))
-    return keys
+    for j in range(n):
+        h = steps[:, j] = hash_step(h, t[:, j])
+    at = np.array(orders) - 1
+    return np.where(valid[:, at], hash_finish(steps[:, at], np.array(orders)), U64(0))
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -143,7 +149,13 @@ class DraftFile:
         self.orders = tuple(self.header["orders"])
         self.max_len = self.header["max_len"]
         self.pad = int(np.iinfo(np.dtype(self.header["token_dtype"])).max)
-        self._orders_desc = sorted(range(len(self.orders)), key=lambda i: -self.orders[i])
+        self._orders_desc_k = sorted(self.orders, reverse=True)
+        self._per_key = (_as_ints(self.key_offsets), _as_ints(self.key_orders), _as_ints(self.key_totals))
+        self._pad_table = None  # 16-bit tokens: int64 value of every token, PAD -> -1
+        if self.entry_tokens.dtype.itemsize == 2:
+            self._pad_table = np.arange(1 << 16, dtype=np.int64)
+            self._pad_table[self.pad] = -1
+        self._find_one = None  # (bucket starts, keys) as int sequences: built by _index on the first lookup
         self._hot = None
 
     # -- identity -----------------------------------------------------------------------------
@@ -169,47 +181,78 @@ class DraftFile:
         return int(self.entry_counts.shape[0])
 
     # -- lookup -------------------------------------------------------------------------------
+    # A binary search over the whole key array costs one cache (and TLB) miss per step. The bucket index
+    # (built on the first lookup, ~1 byte a key) maps a key's top bits to the few keys that share them, so a
+    # lookup reads one bucket: keys are uniform hashes, KEYS_PER_BUCKET on average.
+    def _index(self) -> None:
+        bits = max(1, math.ceil(math.log2(max(1, self.n_keys) / KEYS_PER_BUCKET)))
+        self._shift = 64 - bits
+        per = np.bincount((self.keys >> U64(self._shift)).astype(np.intp), minlength=1 << bits)
+        self._bucket = np.r_[0, np.cumsum(per)].astype(np.int64)  # keys of bucket b: [bucket[b], bucket[b+1])
+        self._bucket_max = max(1, int(per.max()))
+        self._find_one = (_as_ints(self._bucket), _as_ints(self.keys))
+
+    def _find(self, key: int) -> int:
+        """Index of one key in the key array, or -1."""
+        bucket, keys = self._find_one
+        b = key >> self._shift
+        lo, hi = bucket[b], bucket[b + 1]
+        i = bisect.bisect_left(keys, key, lo, hi)
+        return i if i < hi and keys[i] == key else -1
+
     def lookup(self, context) -> Candidates | None:
         """All candidates for one context (newest token last), longest matching order first; None if none."""
+        if self._find_one is None:
+            self._index()
         tail = context[-self.orders[-1]:]
         ctx = tail.tolist() if hasattr(tail, "tolist") else [int(t) for t in tail]
-        n, keys, h = len(ctx), [], SEED
-        for j in range(min(n, self.orders[-1])):  # Python ints: ~4x faster than numpy for 4 tokens
+        n, steps, h = len(ctx), [], SEED
+        for j in range(min(n, self.orders[-1])):  # Python ints: numpy's per-call cost dominates for 4 tokens
             h = ((h ^ (ctx[n - 1 - j] + 1)) * C1) & M64
             h ^= h >> 31
-            if j + 1 in self.orders:
-                keys.append(hash_finish(h, j + 1))
-        if not keys:
-            return None
-        found = self.keys.searchsorted(np.array(keys, dtype=U64))
-        for i in range(len(keys) - 1, -1, -1):
-            idx = int(found[i])
-            if idx < self.n_keys and int(self.keys[idx]) == keys[i]:
-                return self._candidates(idx)
+            steps.append(h)
+        for k in self._orders_desc_k:
+            if k <= len(steps):
+                idx = self._find(hash_finish(steps[k - 1], k))
+                if idx >= 0:
+                    return self._candidates(idx)
         return None
 
     def _candidates(self, idx: int) -> Candidates:
-        a, b = int(self.key_offsets[idx]), int(self.key_offsets[idx + 1])
-        toks = self.entry_tokens[a:b].astype(np.int64)
-        toks[toks == self.pad] = -1
-        return Candidates(int(self.key_orders[idx]), toks, self.entry_counts[a:b].astype(np.int64),
-                          int(self.key_totals[idx]))
+        offsets, orders, totals = self._per_key
+        a, b = offsets[idx], offsets[idx + 1]
+        return Candidates(orders[idx], self._signed_tokens(self.entry_tokens[a:b]),
+                          self.entry_counts[a:b].astype(np.int64), totals[idx])
+
+    def _signed_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        """int64 copy with PAD as -1 (one table lookup for 16-bit tokens)."""
+        if self._pad_table is not None:
+            return self._pad_table[tokens.astype(np.intp)]  # an intp index is the fast path
+        out = tokens.astype(np.int64)
+        out[out == self.pad] = -1
+        return out
 
     def find_keys(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For contexts [B, W] (newest last, -1 = missing): index [B] of the longest matching key (-1 = miss), its
         order [B] (0 = miss) and whether it was found in the hot table [B] (then the index is into the hot table)."""
-        keys = context_keys(context, self.orders)  # [B, n_orders]
-        B = len(keys)
-        idx, order, hot = np.full(B, -1, np.int64), np.zeros(B, np.int64), np.zeros(B, bool)
-        for i in self._orders_desc:  # longest order first: a shorter order only fills rows still missing
-            rows = np.flatnonzero((idx < 0) & (keys[:, i] != 0))
-            if self._hot is not None and len(rows):
-                at, hit = self._hot_search(keys[rows, i])
-                idx[rows[hit]], order[rows[hit]], hot[rows[hit]] = at[hit], self.orders[i], True
-                rows = rows[~hit]
-            at = self.keys.searchsorted(keys[rows, i])
-            hit = self.keys[np.minimum(at, max(self.n_keys - 1, 0))] == keys[rows, i] if self.n_keys else at < 0
-            idx[rows[hit]], order[rows[hit]] = at[hit], self.orders[i]
+        if self._find_one is None:
+            self._index()
+        keys = context_keys(context, self.orders)  # [B, n_orders], 0 = context too short
+        flat = keys.ravel()
+        lo = self._bucket[(flat >> U64(self._shift)).astype(np.intp)]
+        # the widest bucket from each query's first: a key equal to the query can only sit in its own bucket
+        window = lo[:, None] + np.arange(self._bucket_max)  # [B * n_orders, widest bucket]
+        hit = self.keys[np.minimum(window, max(self.n_keys - 1, 0))] == flat[:, None] if self.n_keys else window < 0
+        found = hit.any(1).reshape(keys.shape) & (keys != 0)  # [B, n_orders]
+        at = (lo + hit.argmax(1)).reshape(keys.shape)
+        longest = np.where(found.any(1), len(self.orders) - 1 - np.argmax(found[:, ::-1], axis=1), -1)
+        idx = np.where(longest >= 0, at[np.arange(len(keys)), longest], -1)
+        order = np.where(longest >= 0, np.array(self.orders)[longest], 0)
+        hot = np.zeros(len(keys), bool)
+        if self._hot is not None and (idx >= 0).any():
+            rows = np.flatnonzero(idx >= 0)  # the hot table holds a subset of the keys: answer from it where it can
+            hot_at, hot_hit = self._hot_search(keys[rows, longest[rows]])
+            idx[rows[hot_hit]], hot[rows[hot_hit]] = hot_at[hot_hit], True
         return idx, order, hot
 
     def lookup_batch(self, context: np.ndarray):
@@ -226,12 +269,15 @@ class DraftFile:
                 continue
             offsets, ent_tokens, ent_counts = table["offsets"], table["tokens"], table["counts"]
             k = idx[rows]
-            start, n = _np(offsets[k]), _np(offsets[k + 1]) - _np(offsets[k])
-            ok = np.arange(m)[None, :] < n[:, None]  # [R, m]
-            e = np.where(ok, start[:, None] + np.arange(m)[None, :], 0)
-            tokens[rows] = np.where(ok[..., None], _np(ent_tokens[e]), -1)
-            counts[rows] = np.where(ok[..., None], _np(ent_counts[e]), 0)
-        tokens[tokens == self.pad] = -1
+            start = _np(offsets[k])
+            missing = np.arange(m) >= (_np(offsets[k + 1]) - start)[:, None]  # [R, m] past the key's entries
+            e = np.minimum(start[:, None] + np.arange(m), len(ent_tokens) - 1)
+            got_tokens = _np(ent_tokens[e]) if table is self._hot else self._signed_tokens(ent_tokens[e])
+            got_counts = _np(ent_counts[e])
+            got_tokens[missing], got_counts[missing] = -1, 0
+            tokens[rows], counts[rows] = got_tokens, got_counts
+        if self._hot is not None:
+            tokens[tokens == self.pad] = -1  # the hot table keeps the file's PAD
         return tokens, counts, order
 
     @property
@@ -275,6 +321,12 @@ class DraftFile:
         return {"hit_rate": float(hits.mean()), "hot_share_of_hits": float(hot[hits].mean()) if hits.any() else 0.0}
 
 
+def _as_ints(a: np.ndarray):
+    """A 1-d little-endian integer array as a sequence of Python ints (memoryview: no numpy scalar per item)."""
+    a = np.ascontiguousarray(a)
+    return memoryview(a).cast("B").cast({1: "B", 2: "H", 4: "I", 8: "Q"}[a.dtype.itemsize]) if len(a) else []
+
+
 def _np(x) -> np.ndarray:
     return x.cpu().numpy().astype(np.int64) if hasattr(x, "cpu") else np.asarray(x, dtype=np.int64)
 
@@ -290,10 +342,13 @@ def _crc_range(buf, start: int, end: int, chunk: int = 1 << 24) -> int:
 # ---------------------------------------------------------------------------------------------
 # writing
 # ---------------------------------------------------------------------------------------------
-def write_file(out: Path, header: dict, stages, stored, tdt, max_len: int) -> None:
-    """Write the counted stages (in key order) and the stored corpus: header, aligned sections, checksums last."""
-    K = sum(len(s["keys"]) for s in stages)
-    E = sum(len(s["counts"]) for s in stages)
+def write_file(out: Path, header: dict, chunks: Iterable[dict], n_keys: int, n_entries: int, stored, tdt,
+               max_len: int) -> None:
+    """Write the table and the stored corpus: header, aligned sections, checksums last.
+
+    `chunks` come in key order, each a dict of keys, orders, totals, n_entries (per key) and tokens, counts (per
+    entry), n_keys / n_entries in all; `stored` = (tokens, doc_offsets, val_tokens, val_offsets) or None."""
+    K, E = n_keys, n_entries
     tokens, doc_offsets, vtokens, val_offsets = stored or (np.empty(0, tdt), np.zeros(1, np.uint64)) * 2
     N, D, NV, DV = len(tokens), len(doc_offsets) - 1, len(vtokens), len(val_offsets) - 1
     shapes = {"keys": ("<u8", [K]), "key_orders": ("|u1", [K]), "key_totals": ("<u4", [K]),
@@ -319,20 +374,27 @@ def write_file(out: Path, header: dict, stages, stored, tdt, max_len: int) -> No
         hlen = len(raw)
     with open(out, "wb") as f:
         f.truncate(header["file_bytes"])
+        at = {name: sec[0] for name, sec in sections.items()}  # where each section's next bytes go
 
         def put(name, arr):
-            f.seek(sections[name][0])
-            np.ascontiguousarray(arr, dtype=np.dtype(sections[name][1])).tofile(f)
+            a = np.ascontiguousarray(arr, dtype=np.dtype(sections[name][1]))
+            f.seek(at[name])
+            a.tofile(f)
+            at[name] += a.nbytes
 
-        for name, field in (("keys", "keys"), ("key_orders", "orders"), ("key_totals", "totals"),
-                            ("entry_tokens", "tokens"), ("entry_counts", "counts")):
-            f.seek(sections[name][0])
-            for s in stages:  # partitions are in key order
-                np.ascontiguousarray(s[field], dtype=np.dtype(sections[name][1])).tofile(f)
-        put("key_offsets", np.r_[0, np.cumsum(np.concatenate([s["n_entries"] for s in stages]))])
-        f.seek(sections["corpus_tokens"][0])
+        put("key_offsets", np.zeros(1))
+        written = 0  # entries so far
+        for c in chunks:
+            for name, field in (("keys", "keys"), ("key_orders", "orders"), ("key_totals", "totals"),
+                                ("entry_tokens", "tokens"), ("entry_counts", "counts")):
+                put(name, c[field])
+            put("key_offsets", written + np.cumsum(c["n_entries"], dtype=np.int64))
+            written += int(np.sum(c["n_entries"], dtype=np.int64))
+        if at["keys"] != sections["keys"][0] + 8 * K or written != E:
+            raise RuntimeError(f"draft file writer got {(at['keys'] - sections['keys'][0]) // 8} keys and {written} "
+                               f"entries, expected {K} and {E}")
         for a in range(0, N, 1 << 24):
-            np.asarray(tokens[a: a + (1 << 24)]).tofile(f)
+            put("corpus_tokens", tokens[a: a + (1 << 24)])
         put("doc_offsets", doc_offsets)
         put("val_tokens", vtokens)
         put("val_offsets", val_offsets)

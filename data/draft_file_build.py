@@ -15,54 +15,99 @@ for vocabularies under 65535): the exact sufficient statistic. `merge` appends t
 and recounts, so merge(build(A), B) == build(A + B) byte for byte; only the new corpus is tokenized
 (the slow part). `--no-corpus` writes a serving-only file, which merge refuses.
 
-Streaming. Documents are tokenized in batches and appended to a temporary token file; (key, position)
-records are partitioned by the key's top bits into spill files sized to `--memory-mb`, and each
-partition is sorted and counted alone, its result spilled too, so memory stays one partition.
+A build streams, its memory bounded by `--memory-mb`, with `--threads` workers and a progress bar each step:
+1. tokenize: documents are read in batches and encoded by the fast tokenizer's batch encoder (Rust threads,
+   GIL released) while the next batch is read; each is appended to the stored corpus and to a token stream,
+   PAD between documents, that windows are read from (data/draft_file_count.py).
+2. partition: the window starts are spilled to group files by first token, packed into sort partitions of
+   at most FINE_WINDOWS. A first token with more windows is spread over several partitions by a hash of the
+   second token; its order-1 key is then counted in pieces and joined (data.draft_file_count.join_pieces).
+3. count: workers sort and count each group's partitions; the entries go to a run file bucketed by key.
+4. write: the runs are merged bucket range by bucket range into the file (keys sorted), then checksummed.
+With `--coverage` step 3 runs twice: at min-count 1 for the validation curve alone (the sorted windows kept
+on disk), then at the chosen min-count.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
+import os
 import sys
 import tempfile
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
-from data.draft_file import SEED, U64, VERSION, DraftFile, context_keys, hash_finish, hash_step, token_dtype, write_file
+from data.draft_file import U64, VERSION, DraftFile, context_keys, token_dtype, write_file
+from data.draft_file_count import (ENTRY_FIELDS, WindowSpec, count_sorted, join_pieces, select_keys, sort_windows,
+                                   take_rows)
 from models.errors import DraftheadsError
 
-REC = np.dtype([("key", "<u8"), ("pos", "<i8")])  # one spill record: context key, (order << 56) | position
 THRESHOLDS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
+FINE_WINDOWS = 1 << 18  # windows sorted at once: the sort and the count slow down once they leave the cache
+GROUP_BYTES_PER_WINDOW = 128  # a worker's memory per window of its group: positions, ids, the group's entries
+MERGE_BYTES_PER_ENTRY = 96  # memory per entry while runs are merged: the entry, its key, the merge order
+MAX_GROUPS = 512  # spill files open at once
+RUN_BUCKET_BITS = 12  # a run's keys are indexed by their top bits, so a merge step reads a bucket range
+BATCH_CHARS = 1 << 22  # characters per tokenizer batch
+STREAM_CHUNK = 1 << 24  # tokens per step when scanning the token stream
 
 
 # ---------------------------------------------------------------------------------------------
-# building
+# 1. tokenizing
 # ---------------------------------------------------------------------------------------------
-def iter_token_docs(paths: Iterable[str], tokenizer, batch_docs: int = 256) -> Iterator[tuple[np.ndarray, str]]:
-    """(token ids, text) per document of every corpus path, tokenized in batches with the fast tokenizer."""
+def _encoder(tokenizer):
+    """texts -> token id lists, through the fast tokenizer's batch encoder when there is one (no offsets kept)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
+    if backend.truncation is not None or backend.padding is not None:  # transformers turns these off per call
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_str(backend.to_str())
+        backend.no_truncation()
+        backend.no_padding()
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    return lambda texts: [e.ids for e in encode(texts, add_special_tokens=False)]
+
+
+def iter_token_batches(paths: Iterable[str], tokenizer, batch_chars: int = BATCH_CHARS) -> Iterator[list]:
+    """[(token ids, text)] per batch of documents of every corpus path, in order; a batch is read while the one
+    before is encoded."""
     from data.readers import iter_documents
 
-    batch: list[str] = []
-    for path in paths:
-        for text in iter_documents(path, tokenizer):
-            batch.append(text)
-            if len(batch) == batch_docs:
-                yield from _tokenize(batch, tokenizer)
-                batch = []
-    yield from _tokenize(batch, tokenizer)
+    encode = _encoder(tokenizer)
 
+    def batches():
+        batch, size = [], 0
+        for path in paths:
+            for text in iter_documents(path, tokenizer):
+                batch.append(text)
+                size += len(text)
+                if size >= batch_chars:
+                    yield batch
+                    batch, size = [], 0
+        if batch:
+            yield batch
 
-def _tokenize(texts: list[str], tokenizer):
-    if texts:
-        for ids, text in zip(tokenizer(texts, add_special_tokens=False)["input_ids"], texts):
-            yield np.asarray(ids, dtype=np.int64), text
+    def done(job):
+        ids, texts = job[0].result(), job[1]
+        return [(np.asarray(i, dtype=np.int64), t) for i, t in zip(ids, texts)]
+
+    with ThreadPoolExecutor(1) as pool:
+        pending = None
+        for texts in batches():
+            job = (pool.submit(encode, texts), texts)
+            if pending is not None:
+                yield done(pending)
+            pending = job
+        if pending is not None:
+            yield done(pending)
 
 
 def is_validation(text: str | bytes, fraction: float) -> bool:
@@ -71,106 +116,350 @@ def is_validation(text: str | bytes, fraction: float) -> bool:
     return fraction > 0 and zlib.crc32(data) % 10_000 < fraction * 10_000
 
 
-class _TokenSink:
-    """Appends documents to a token file; tracks document offsets."""
+class _Documents:
+    """Documents as counted: tokens and offsets (what the file stores) and, given a window spec, the big-endian
+    token stream windows are read from (spec.gap PAD after each document) with windows per first token."""
 
-    def __init__(self, path: Path, dtype: np.dtype):
-        self.f, self.dtype, self.offsets = open(path, "wb"), dtype, [0]
+    def __init__(self, path: Path, tdt: np.dtype, spec: WindowSpec | None = None, vocab_size: int = 0):
+        self.path, self.tdt, self.spec = path, tdt, spec
+        self.f = open(path, "wb")
+        self.stream = open(path.with_suffix(".stream"), "wb") if spec else None
+        self.ends, self.n = [np.zeros(1, np.int64)], 0
+        self.first = np.zeros(vocab_size, np.int64)  # windows (positions followed by a token) per first token
 
-    def add(self, ids: np.ndarray) -> None:
-        if len(ids):
-            ids.astype(self.dtype).tofile(self.f)
-            self.offsets.append(self.offsets[-1] + len(ids))
+    def add(self, docs: list[np.ndarray]) -> None:
+        docs = [d for d in docs if len(d)]
+        if not docs:
+            return
+        lens = np.array([len(d) for d in docs])
+        flat = np.concatenate(docs).astype(self.tdt)
+        flat.tofile(self.f)
+        ends = np.cumsum(lens)
+        self.ends.append(self.n + ends)
+        self.n += int(ends[-1])
+        if self.stream is not None:
+            out = np.full(len(flat) + len(docs) * self.spec.gap, self.spec.pad, self.tdt.newbyteorder(">"))
+            out[np.arange(len(flat)) + np.repeat(np.arange(len(docs)) * self.spec.gap, lens)] = flat
+            out.tofile(self.stream)
+            starts = np.ones(len(flat), bool)
+            starts[ends - 1] = False  # a document's last token has nothing after it
+            self.first += np.bincount(flat[starts], minlength=len(self.first))
 
     def close(self) -> tuple[int, np.ndarray]:
         self.f.close()
-        return self.offsets[-1], np.asarray(self.offsets, dtype=np.uint64)
+        if self.stream is not None:
+            self.stream.close()
+        return self.n, np.concatenate(self.ends).astype(np.uint64)
+
+    def tokens(self) -> np.ndarray:
+        return np.memmap(self.path, dtype=self.tdt, mode="r", shape=(self.n,)) if self.n else np.empty(0, self.tdt)
 
 
-def _records(tokens: np.ndarray, doc_offsets: np.ndarray, start: int, end: int, orders, max_len: int, pad: int):
-    """Spill records for contexts ending at positions [start, end) of the token array (vectorised)."""
-    offs, W, n = doc_offsets.astype(np.int64), max(orders), end - start
-    lo, hi = max(0, start - W + 1), min(len(tokens), end)
-    window = np.zeros(n + W - 1, dtype=np.int64)  # window[W - 1 + i] = token at position start + i
-    window[lo - (start - W + 1): lo - (start - W + 1) + hi - lo] = tokens[lo:hi]
-    pos = np.arange(start, end, dtype=np.int64)
-    i0, i1 = np.searchsorted(offs, [start, end - 1], side="right") - 1  # documents overlapping the chunk
-    doc = np.repeat(np.arange(i0, i1 + 1), np.diff(np.clip(offs[i0: i1 + 2], start, end)))
-    d0, d1 = offs[doc], offs[doc + 1]
-    out, h = [], np.full(n, SEED, dtype=U64)
-    for j in range(W):
-        h = hash_step(h, window[W - 1 - j: W - 1 - j + n])
-        if j + 1 not in orders:
-            continue
-        ok = (pos - j >= d0) & (pos + 1 < d1)  # k tokens of context and >= 1 continuation token, same document
-        rec = np.empty(int(ok.sum()), dtype=REC)
-        rec["key"], rec["pos"] = hash_finish(h[ok], j + 1), pos[ok] | ((j + 1) << 56)  # the order rides in the top byte
-        out.append(rec)
-    return np.concatenate(out) if out else np.empty(0, dtype=REC)
+# ---------------------------------------------------------------------------------------------
+# 2.-4. partitioning, counting, merging
+# ---------------------------------------------------------------------------------------------
+class _Counter:
+    """Counts the windows of one token stream: partition plan, spill to group files, count passes, run merge."""
+
+    def __init__(self, tmp: Path, docs: _Documents, spec: WindowSpec, memory_bytes: int, threads: int, log):
+        self.tmp, self.spec, self.threads, self.memory = tmp, spec, threads, memory_bytes
+        self.first = docs.first
+        self.stream = np.memmap(docs.path.with_suffix(".stream"), dtype=spec.tdt.newbyteorder(">"), mode="r")
+        # element s packs tokens s.. of the stream into one big-endian uint64 (strides of one token)
+        self.view = np.ndarray((len(self.stream) - spec.per_word + 1,), ">u8", self.stream, strides=(spec.tdt.itemsize,))
+        # a spilled window: its start and its partition within the group
+        self.rec_dtype = np.dtype([("pos", "<u4" if len(self.stream) < 2**32 else "<u8"), ("part", "<u2")])
+        self.windows = int(self.first.sum())
+        capacity = max(1, memory_bytes // threads // GROUP_BYTES_PER_WINDOW)  # windows one worker holds
+        self.fine = min(FINE_WINDOWS, capacity)
+        self._plan(max(capacity, -(-self.windows // MAX_GROUPS)))
+        spread = np.flatnonzero(self.pieces > 1)
+        self.spread_totals = {}  # order-1 key of each spread first token -> its occurrences
+        if 1 in spec.orders and len(spread):
+            keys = context_keys(spread[:, None], (1,))[:, 0]
+            self.spread_totals = {int(k): int(self.first[t]) for k, t in zip(keys, spread)}
+        self.spread_keys = np.array(sorted(self.spread_totals), dtype=U64)
+        log(f"[draft_file] {self.windows:,} windows in {self.n_parts} partitions, {self.n_groups} groups, "
+            f"{len(spread)} first tokens spread over several")
+
+    def _plan(self, capacity: int) -> None:
+        """Partition of a window = base[first token] + hash(second token) % pieces[first token]: first tokens are
+        packed in order into partitions of <= fine windows, one with more gets `pieces` partitions of its own.
+        Consecutive partitions form a group (one spill file, counted by one worker) of <= capacity windows."""
+        self.pieces = np.maximum(1, -(-self.first // self.fine))
+        self.base = np.zeros(len(self.first), np.int64)
+        sizes, fill = [], 0
+        for t in np.flatnonzero(self.first):
+            c, p = int(self.first[t]), int(self.pieces[t])
+            if fill and (p > 1 or fill + c > self.fine):
+                sizes.append(fill)
+                fill = 0
+            self.base[t] = len(sizes)
+            if p > 1:
+                sizes += [c / p] * p
+            else:
+                fill += c
+        if fill or not sizes:
+            sizes.append(fill)
+        self.n_parts = len(sizes)
+        self.group_of, g, acc, start = np.zeros(len(sizes), np.int64), 0, 0, 0
+        for i, size in enumerate(sizes):
+            if acc and (acc + size > capacity or i - start == 1 << 16):  # partition ids in a group are uint16
+                g, acc, start = g + 1, 0, i
+            self.group_of[i], acc = g, acc + size
+        self.n_groups = g + 1
+
+    def _part_of(self, first: np.ndarray, second: np.ndarray) -> np.ndarray:
+        spread = ((second.astype(U64) * U64(0x9E3779B97F4A7C15)) >> U64(40)).astype(np.int64)  # 24 bits
+        return self.base[first] + ((spread * self.pieces[first]) >> 24)  # in [0, pieces): no division
+
+    def _path(self, g: int, what: str) -> Path:
+        return self.tmp / f"group{g:04d}.{what}"
+
+    def spill(self) -> None:
+        """Window starts (positions followed by a token of their document) to their group's file, in order, with
+        their partition within the group."""
+        files = [open(self._path(g, "pos"), "wb") for g in range(self.n_groups)]
+        n, pad = len(self.stream), self.spec.pad
+        first_part = np.searchsorted(self.group_of, np.arange(self.n_groups))  # a group's first partition
+        for a in range(0, n - 1, STREAM_CHUNK):
+            chunk = self.stream[a: a + STREAM_CHUNK + 1].astype(self.spec.tdt)
+            s = np.flatnonzero((chunk[:-1] != pad) & (chunk[1:] != pad))
+            part = self._part_of(chunk[s].astype(np.intp), chunk[s + 1])
+            rec = np.empty(len(s), self.rec_dtype)
+            rec["pos"] = s + a
+            if self.n_groups == 1:
+                rec["part"] = part
+                rec.tofile(files[0])
+                continue
+            group = self.group_of[part]
+            rec["part"] = part - first_part[group]
+            order = np.argsort(group.astype(np.uint16), kind="stable")
+            bounds = np.searchsorted(group[order], np.arange(self.n_groups + 1))
+            rec = rec[order]
+            for g in np.flatnonzero(np.diff(bounds)):
+                rec[bounds[g]: bounds[g + 1]].tofile(files[g])
+        for f in files:
+            f.close()
+
+    def count(self, min_count: int, entries: bool, validation: _Validation | None, sorted_io: str | None,
+              progress) -> list[dict]:
+        """One pass over the groups (`threads` at a time): the runs (when entries), the pieces of spread order-1
+        keys joined into one more; validation statistics accumulate in `validation`. sorted_io: "save" keeps each group's
+        sorted windows on disk for a later pass, "load" reads them instead of sorting again."""
+        runs, pieces = [], []
+        with ThreadPoolExecutor(self.threads) as pool:
+            work = pool.map(lambda g: self._count_group(g, min_count, entries, validation, sorted_io),
+                            range(self.n_groups))
+            for res in work:
+                progress.update(res["windows"])
+                if res["run"] is not None:
+                    runs.append(res["run"])
+                if res["pieces"] is not None:
+                    pieces.append(res["pieces"])
+                if validation is not None:
+                    validation.add(res["stats"])
+        joined = join_pieces(pieces, self.spread_totals, self.spec.continuations) if pieces else None
+        if joined is not None:
+            if validation is not None:
+                validation.add(validation.measure(joined))
+            if entries:
+                runs.append(_sorted_run(joined))
+        return runs
+
+    def _count_group(self, g: int, min_count: int, entries: bool, validation, sorted_io) -> dict:
+        rec = np.fromfile(self._path(g, "pos"), dtype=self.rec_dtype)
+        if sorted_io == "load":
+            parts = _load_sorted(self._path(g, "sorted"), self.spec)
+        else:
+            order = np.argsort(rec["part"], kind="stable")  # positions stay ascending in a partition: near-sequential reads
+            cuts = np.flatnonzero(np.diff(rec["part"][order])) + 1
+            parts = (sort_windows(self.view, rec["pos"][chunk], self.spec) for chunk in np.split(order, cuts))
+        saved = open(self._path(g, "sorted"), "wb") if sorted_io == "save" else None
+        outs = []
+        for words, lcp in parts:
+            if saved is not None:
+                np.array([len(lcp)], np.int64).tofile(saved)
+                for w in words + [lcp, np.zeros(-len(lcp) % 8, np.uint8)]:  # 8-byte aligned for the next one
+                    w.tofile(saved)
+            outs.append(count_sorted(words, lcp, self.spec, min_count, entries))
+        if saved is not None:
+            saved.close()
+        out = {name: np.concatenate([o[name] for o in outs]) for name in outs[0]} if outs else None
+        if out is None:
+            return {"windows": 0, "run": None, "pieces": None, "stats": None}
+        spread = np.zeros(len(out["keys"]), bool)
+        one = np.flatnonzero(out["orders"] == 1)  # only order-1 keys are counted in pieces
+        spread[one] = np.isin(out["keys"][one], self.spread_keys)
+        pieces = select_keys(out, spread) if spread.any() else None
+        out = select_keys(out, ~spread) if pieces is not None else out
+        run = None
+        if entries:
+            run = _sorted_run(out)
+            del run["second"]
+            run = _save_run(run, self._path(g, "run"))
+        return {"windows": len(rec), "run": run, "pieces": pieces,
+                "stats": validation.measure(out) if validation is not None else None}
+
+    def merged(self, runs: list[dict]) -> Iterator[dict]:
+        """All runs' keys in key order, a range of buckets at a time (as much as the memory budget holds)."""
+        per_bucket = sum(np.diff(r["entry_bounds"]) for r in runs)
+        limit = max(1, self.memory // MERGE_BYTES_PER_ENTRY)
+        b0 = 0
+        while b0 < len(per_bucket):
+            b1 = b0 + max(1, int(np.searchsorted(np.cumsum(per_bucket[b0:]), limit, side="right")))
+            parts = [_bucket_range(r, b0, b1) for r in runs]
+            cat = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+            order = np.argsort(cat["keys"], kind="stable")
+            ent = _entries_of(order, cat["n_entries"])
+            yield {name: take_rows(a, ent) if name in ENTRY_FIELDS else a[order] for name, a in cat.items()}
+            b0 = b1
 
 
-def _count_partition(rec: np.ndarray, tokens, doc_offsets, m: int, max_len: int, min_count: int, pad: int, tdt):
-    """One partition's keys: their continuation tries cut where a prefix occurs < min_count times, top-m leaves.
-
-    Records sorted by (key, continuation tokens) put every prefix's occurrences in one run, so all prefix
-    counts (how often the key is followed by t1..tj) come from run lengths, one linear pass per level. The
-    best leaf follows the most frequent first token, then the most frequent second one; ties in token order."""
-    L, R = max_len, len(rec)
-    pos = rec["pos"] & ((1 << 56) - 1)
-    offs = doc_offsets.astype(np.int64)
-    d1 = offs[np.searchsorted(offs, pos, side="right")]
-    idx = pos[:, None] + 1 + np.arange(L)[None, :]  # [R, L]
-    cont = np.where(idx < d1[:, None], tokens[np.minimum(idx, len(tokens) - 1)], pad).astype(np.int64)
-    del idx
-    bits = 16 if pad < (1 << 16) else 32  # pack tokens into 64-bit words: lexicographic order = word order
-    words = []
-    for a in range(0, L, 64 // bits):
-        w = np.zeros(R, dtype=U64)
-        for t in cont[:, a: a + 64 // bits].T:
-            w = (w << U64(bits)) | t.astype(U64)
-        words.append(w)
-    order = np.lexsort(tuple(reversed(words)) + (rec["key"],))  # primary key last
-    key, cont, korder = rec["key"][order], cont[order].astype(np.int32), rec["pos"][order] >> 56
-    del words, order
-    boundary = np.ones(R, dtype=bool)
-    boundary[1:] = key[1:] != key[:-1]
-    key_start = np.flatnonzero(boundary)
-    pc = np.zeros((R, L), dtype=np.int32)  # [R, L] prefix counts
-    levels = []
-    for j in range(L):
-        boundary[1:] |= cont[1:, j] != cont[:-1, j]
-        run = np.diff(np.r_[np.flatnonzero(boundary), R])
-        pc[:, j] = np.repeat(run, run)
-        levels.append(boundary.copy())
-    depth = (pc >= min_count).sum(1)  # kept prefix length: prefix counts never grow with j
-    leaf = np.zeros(R, dtype=bool)  # first row of a kept prefix's run that no kept prefix extends
-    for j, b in enumerate(levels):
-        st = np.flatnonzero(b)
-        deepest = np.repeat(np.maximum.reduceat(depth, st), np.diff(np.r_[st, R])) if R else depth
-        leaf |= b & (depth == j + 1) & (deepest == j + 1)
-    rows = np.flatnonzero(leaf)  # in (key, tokens) order
-    second = pc[rows, 1] if L > 1 else np.zeros(len(rows), np.int32)
-    rows = rows[np.lexsort((-second, -pc[rows, 0], key[rows]))]  # stable: ties stay in token order
-    new = np.r_[True, key[rows][1:] != key[rows][:-1]] if len(rows) else np.empty(0, bool)
-    rank = np.arange(len(rows)) - np.flatnonzero(new)[np.cumsum(new) - 1] if len(rows) else rows
-    rows, new = rows[rank < m], new[rank < m]
-    heads = rows[new]
-    cut = np.arange(L)[None, :] >= depth[rows][:, None]  # [E, L] beyond the kept prefix
-    return {"keys": key[heads], "orders": korder[heads].astype(np.int64),
-            "totals": np.diff(np.r_[key_start, R])[np.searchsorted(key[key_start], key[heads])].astype(np.uint32),
-            "n_entries": np.diff(np.r_[np.flatnonzero(new), len(rows)]).astype(np.int64),
-            "counts": np.where(cut, 0, pc[rows]).astype(np.uint32),
-            "tokens": np.where(cut, pad, cont[rows]).astype(tdt)}
+def _entries_of(order: np.ndarray, n_entries: np.ndarray) -> np.ndarray:
+    """Entry indices of the keys taken in `order` (a key's entries are consecutive): each taken key's source
+    range, concatenated, as a cumulative sum of steps (1 inside a range, a jump between ranges)."""
+    n = n_entries.astype(np.int64)
+    start, taken = (np.cumsum(n) - n)[order], n[order]
+    keep = taken > 0
+    start, taken = start[keep], taken[keep]
+    steps = np.ones(int(taken.sum()), np.int64)
+    if len(steps):
+        at = np.cumsum(taken) - taken  # where each range begins in the output
+        steps[at] = start - np.r_[0, (start + taken - 1)[:-1]]
+    return np.cumsum(steps)
 
 
+def _sorted_run(out: dict) -> dict:
+    """A count's keys sorted, with the bounds of each key bucket (top RUN_BUCKET_BITS bits) in keys and entries."""
+    order = np.argsort(out["keys"], kind="stable")
+    ent = _entries_of(order, out["n_entries"])
+    run = {name: take_rows(a, ent) if name in ENTRY_FIELDS else a[order] for name, a in out.items()}
+    edges = np.arange((1 << RUN_BUCKET_BITS) + 1, dtype=np.float64) * 2.0 ** (64 - RUN_BUCKET_BITS)
+    run["key_bounds"] = np.r_[np.searchsorted(run["keys"], edges[:-1].astype(U64)), len(order)]
+    run["entry_bounds"] = np.r_[0, np.cumsum(run["n_entries"], dtype=np.int64)][run["key_bounds"]]
+    return run
+
+
+def _save_run(run: dict, directory: Path) -> dict:
+    """Arrays to .npy files, read back memory-mapped (the bounds stay in memory)."""
+    directory.mkdir()
+    for name, a in run.items():
+        if name not in ("key_bounds", "entry_bounds"):
+            np.save(directory / f"{name}.npy", a)
+            run[name] = np.load(directory / f"{name}.npy", mmap_mode="r")
+    return run
+
+
+def _bucket_range(run: dict, b0: int, b1: int) -> dict:
+    k0, k1 = run["key_bounds"][b0], run["key_bounds"][b1]
+    e0, e1 = run["entry_bounds"][b0], run["entry_bounds"][b1]
+    return {name: np.asarray(a[e0:e1] if name in ENTRY_FIELDS else a[k0:k1]) for name, a in run.items()
+            if name not in ("key_bounds", "entry_bounds")}
+
+
+def _load_sorted(path: Path, spec: WindowSpec) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+    """The (words, lcp) of each partition as a save pass wrote them: a length, the words, the lcp bytes."""
+    raw, at = np.memmap(path, dtype=np.uint8, mode="r"), 0
+    while at < len(raw):
+        n = int(raw[at: at + 8].view(np.int64)[0])
+        at += 8
+        words = [np.asarray(raw[at + 8 * n * i: at + 8 * n * (i + 1)].view(np.uint64)) for i in range(spec.n_words)]
+        at += 8 * n * spec.n_words
+        yield words, np.asarray(raw[at: at + n])
+        at += n + (-n % 8)
+
+
+class _Validation:
+    """What the coverage curve needs, accumulated over counted keys: keys and entries per min-count threshold
+    (by the count of their first token) and, for each held-out context's key, the count and first token of its
+    best entry. Positions: an even sample of the validation split (deterministic)."""
+
+    def __init__(self, vtokens: np.ndarray, val_offsets: np.ndarray, orders, floor: int, max_positions: int = 200_000):
+        self.thresholds = np.array([c for c in THRESHOLDS if c >= floor])
+        self.keys_at = np.zeros(len(self.thresholds) + 1, np.int64)  # keys by how many thresholds they pass
+        self.entries_at = np.zeros(len(self.thresholds) + 1, np.int64)
+        offs = val_offsets.astype(np.int64)
+        pos = np.arange(max(len(vtokens) - 1, 0))
+        pos = pos[pos + 1 < offs[np.searchsorted(offs, pos, side="right")]] if len(pos) else pos
+        if len(pos) > max_positions:
+            pos = pos[np.linspace(0, len(pos) - 1, max_positions).astype(np.int64)]
+        doc = np.searchsorted(offs, pos, side="right") - 1
+        W = max(orders)
+        idx = pos[:, None] - np.arange(W - 1, -1, -1)[None, :]  # [P, W] newest last
+        ctx = np.where(idx >= offs[doc][:, None], vtokens[np.maximum(idx, 0)].astype(np.int64), -1)
+        self.keys = context_keys(ctx, orders) if len(pos) else np.zeros((0, len(orders)), U64)  # [P, n_orders]
+        self.truth = vtokens[pos + 1].astype(np.int64)
+        self.wanted = np.unique(self.keys[self.keys != 0])
+        self.mark = np.zeros(1 << 20, bool)  # cheap first test: does any wanted key have these top 20 bits?
+        self.mark[(self.wanted >> U64(44)).astype(np.intp)] = True
+        self.best_count = np.zeros(len(self.wanted), np.int64)
+        self.best_token = np.full(len(self.wanted), -1, np.int64)
+
+    def measure(self, out: dict) -> dict:
+        """This count's share (a worker computes it; add() folds it in)."""
+        n = out["n_entries"].astype(np.int64)
+        c0 = out["counts"][:, 0].astype(np.int64)
+        best = c0[np.cumsum(n) - n]  # the first entry of a key has its most frequent first token
+        cand = np.flatnonzero(self.mark[(out["keys"] >> U64(44)).astype(np.intp)]) if len(self.wanted) else n[:0]
+        at = np.minimum(np.searchsorted(self.wanted, out["keys"][cand]), max(len(self.wanted) - 1, 0))
+        ok = self.wanted[at] == out["keys"][cand] if len(cand) else np.zeros(0, bool)
+        hit, at = cand[ok], at[ok]
+        return {"keys_at": np.bincount(np.searchsorted(self.thresholds, best, side="right"), minlength=len(self.keys_at)),
+                "entries_at": np.bincount(np.searchsorted(self.thresholds, c0, side="right"),
+                                          minlength=len(self.entries_at)),
+                "at": at, "count": best[hit], "token": out["tokens"][(np.cumsum(n) - n)[hit], 0].astype(np.int64)}
+
+    def add(self, share: dict) -> None:
+        self.keys_at += share["keys_at"]
+        self.entries_at += share["entries_at"]
+        self.best_count[share["at"]] = share["count"]
+        self.best_token[share["at"]] = share["token"]
+
+    def curve(self, orders, max_len: int, tdt: np.dtype) -> list[dict]:
+        """Per min-count threshold: table size and, on the validation positions, hit rate and coverage (the
+        served key's best continuation starts with the right token)."""
+        if not len(self.truth):
+            return []
+        at_least = lambda hist: hist[::-1].cumsum()[::-1][1:]  # noqa: E731  [thresholds]: counts >= each
+        n_keys, n_ent = at_least(self.keys_at), at_least(self.entries_at)
+        sizes = n_keys * (8 + 1 + 4 + 8) + n_ent * max_len * (tdt.itemsize + 4)
+        at = np.minimum(np.searchsorted(self.wanted, self.keys), max(len(self.wanted) - 1, 0))
+        present = (self.keys != 0) & (self.wanted[at] == self.keys) if len(self.wanted) else self.keys != 0
+        top_count = np.where(present, self.best_count[at], 0) if len(self.wanted) else np.zeros(self.keys.shape, int)
+        top_right = present & (self.best_token[at] == self.truth[:, None]) if len(self.wanted) else present
+        curve = []
+        for i, c in enumerate(self.thresholds):
+            live = top_count >= c  # [P, n_orders]
+            served = np.where(live.any(1), len(orders) - 1 - np.argmax(live[:, ::-1], axis=1), -1)  # longest live
+            right = np.where(served >= 0, top_right[np.arange(len(served)), np.maximum(served, 0)], False)
+            per_order = {str(o): {"served": round(float((served == j).mean()), 4),
+                                  "right": round(float(right[served == j].mean()), 4) if (served == j).any() else 0.0}
+                         for j, o in enumerate(orders)}
+            curve.append({"min_count": int(c), "keys": int(n_keys[i]), "entries": int(n_ent[i]),
+                          "table_bytes_bound": int(sizes[i]),  # the written table is smaller: leaves get cut and merge
+                          "hit_rate": round(float((served >= 0).mean()), 4), "coverage": round(float(right.mean()), 4),
+                          "per_order": per_order})
+            if n_keys[i] == 0:
+                break
+        return curve
+
+
+# ---------------------------------------------------------------------------------------------
+# building
+# ---------------------------------------------------------------------------------------------
 def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: str, vocab_size: int,
           orders=(1, 2, 3, 4), continuations: int = 4, max_len: int = 8, min_count: int = 2,
           coverage: float | None = None, validation: float = 0.02, keep_corpus: bool = True,
-          memory_mb: int = 1024, base: DraftFile | None = None, token_docs: Iterable | None = None,
-          log=print) -> dict:
+          memory_mb: int = 1024, threads: int | None = None, base: DraftFile | None = None,
+          token_docs: Iterable | None = None, progress: bool | None = None, log=print) -> dict:
     """Build a draft file from corpora (and `base`'s stored corpus first, for merge); returns the build report.
 
-    `token_docs`: documents already tokenized (e.g. regenerated outputs as id lists), counted after the corpora."""
+    `token_docs`: documents already tokenized (e.g. regenerated outputs as id lists), counted after the corpora.
+    `threads`: workers (default: the CPUs this process may use); RAYON_NUM_THREADS, when set, sizes the
+    tokenizer's own pool. `progress`: bars on stderr (default: when stderr is a terminal)."""
+    from tqdm import tqdm
+
     from models.target import tokenizer_hash
 
     t0 = time.perf_counter()
@@ -178,88 +467,69 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
     if not orders or orders[0] < 1 or continuations < 1 or max_len < 1 or min_count < 1:
         raise DraftheadsError(f"draft file build needs orders >= 1, continuations >= 1, max-len >= 1, min-count >= 1; "
                               f"got orders={orders}, continuations={continuations}, max-len={max_len}, min-count={min_count}")
+    threads = threads or len(os.sched_getaffinity(0))
+    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))  # read when the tokenizer's pool starts
+    progress = sys.stderr.isatty() if progress is None else progress
+    bar = lambda **kw: tqdm(disable=not progress, dynamic_ncols=True, leave=False, **kw)  # noqa: E731
     tdt = token_dtype(vocab_size)
-    pad = int(np.iinfo(tdt).max)
+    spec = WindowSpec(orders, continuations, max_len, tdt)
+    memory = max(int(memory_mb * 2**20), 1 << 16)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".dfl-build-") as tmp:
         tmp = Path(tmp)
-        sink, val = _TokenSink(tmp / "corpus.bin", tdt), _TokenSink(tmp / "val.bin", tdt)
+        docs, val = _Documents(tmp / "corpus.bin", tdt, spec, vocab_size), _Documents(tmp / "val.bin", tdt)
         sources = list(base.header["sources"]) if base is not None else []
         if base is not None:  # stored corpus first, so merge(build(A), B) sees exactly build(A + B)'s token stream
-            offs = base.doc_offsets.astype(np.int64)
-            for a, b in zip(offs[:-1], offs[1:]):
-                sink.add(base.corpus_tokens[a:b])
-            offs = base.val_offsets.astype(np.int64)
-            for a, b in zip(offs[:-1], offs[1:]):
-                val.add(base.val_tokens[a:b])
-        n_docs = 0
-        pretokenized = ((np.asarray(d, dtype=np.int64), None) for d in token_docs or [])
-        for ids, text in itertools.chain(iter_token_docs(corpus or [], tokenizer), pretokenized):
-            if len(ids) and int(ids.max()) >= vocab_size:
-                raise DraftheadsError(f"tokenizer produced id {int(ids.max())} >= vocab size {vocab_size}; "
-                                      "pass the target whose tokenizer this is (--target)")
-            (val if is_validation(text if text is not None else ids.tobytes(), validation) else sink).add(ids)
-            n_docs += 1
-            if n_docs % 5000 == 0:
-                log(f"[draft_file] tokenized {n_docs} documents, {sink.offsets[-1]:,} tokens")
+            for sink, toks, offs in ((docs, base.corpus_tokens, base.doc_offsets), (val, base.val_tokens, base.val_offsets)):
+                offs = offs.astype(np.int64)
+                for a in range(0, len(offs) - 1, 4096):
+                    sink.add([np.asarray(toks[x:y]) for x, y in zip(offs[a: a + 4096], offs[a + 1: a + 4097])])
+        pretokenized = [[(np.asarray(d, dtype=np.int64), None) for d in token_docs]] if token_docs else []
+        with bar(total=_corpus_chars(corpus or []), unit="char", unit_scale=True, desc="tokenize") as pbar:
+            for batch in (*iter_token_batches(corpus or [], tokenizer), *pretokenized):
+                ids = [i for i, _ in batch]
+                top = max((int(i.max()) for i in ids if len(i)), default=-1)
+                if top >= vocab_size:
+                    raise DraftheadsError(f"tokenizer produced id {top} >= vocab size {vocab_size}; "
+                                          "pass the target whose tokenizer this is (--target)")
+                held = [is_validation(text if text is not None else i.tobytes(), validation) for i, text in batch]
+                docs.add([i for i, h in zip(ids, held) if not h])
+                val.add([i for i, h in zip(ids, held) if h])
+                pbar.update(sum(len(text) for _, text in batch if text is not None))
+                pbar.set_postfix(tokens=f"{docs.n + val.n:,}")
         sources += [str(p) for p in corpus or []]
-        n_tokens, doc_offsets = sink.close()
+        n_tokens, doc_offsets = docs.close()
         n_val, val_offsets = val.close()
         if n_tokens == 0:
             raise DraftheadsError(f"corpus {list(corpus or [])} produced no tokens to count (empty, unreadable or all "
                                   "held out for validation); pass non-empty text / JSONL / code directories")
         t_tok = time.perf_counter() - t0
-        tokens = np.memmap(tmp / "corpus.bin", dtype=tdt, mode="r", shape=(n_tokens,))
+        log(f"[draft_file] tokenized {n_tokens + n_val:,} tokens in {t_tok:.1f}s")
 
-        # 1. spill (key, pos) records into partitions by the key's top bits (partition order = key order)
-        n_rec = n_tokens * len(orders)
-        budget = max(int(memory_mb * 2**20), 1 << 16)  # bytes one partition may use while counted (~40x its records)
-        bits = min(10, max(0, math.ceil(math.log2(max(1.0, n_rec * REC.itemsize * 40 / budget)))))
-        parts = [open(tmp / f"part{p:04d}.bin", "wb") for p in range(1 << bits)]
-        chunk = max(1 << 12, budget // (REC.itemsize * len(orders) * 8))
-        for a in range(0, n_tokens, chunk):
-            rec = _records(tokens, doc_offsets, a, min(n_tokens, a + chunk), orders, max_len, pad)
-            part = (rec["key"] >> U64(64 - bits)).astype(np.int64) if bits else np.zeros(len(rec), np.int64)
-            rec = rec[np.argsort(part, kind="stable")]
-            cuts = np.searchsorted(np.sort(part), np.arange(len(parts) + 1))
-            for p, f in enumerate(parts):
-                rec[cuts[p]:cuts[p + 1]].tofile(f)
-        for f in parts:
-            f.close()
-
-        # 2. count each partition (at min-count 1 first when sizing by coverage); results wait on disk
-        def count_all(threshold: int) -> list[dict]:
-            stages = []
-            for p in range(len(parts)):
-                rec = np.fromfile(tmp / f"part{p:04d}.bin", dtype=REC)
-                stage = _count_partition(rec, tokens, doc_offsets, continuations, max_len, threshold, pad, tdt)
-                del rec
-                for name, arr in stage.items():
-                    np.save(tmp / f"stage{threshold}_{p:04d}_{name}.npy", arr)
-                stages.append({name: np.load(tmp / f"stage{threshold}_{p:04d}_{name}.npy", mmap_mode="r")
-                               for name in stage})
-            return stages
-
+        counter = _Counter(tmp, docs, spec, memory, threads, log)
+        counter.spill()
+        vtokens = np.fromfile(val.path, dtype=tdt) if n_val else np.empty(0, tdt)
         floor = 1 if coverage is not None else min_count
-        stages = count_all(floor)
+        stats = _Validation(vtokens, val_offsets, orders, floor)
+        if coverage is not None and not len(stats.truth):
+            raise DraftheadsError("--coverage needs validation documents, but none were held out; "
+                                  "raise --validation (fraction of documents) or pass --min-count instead")
 
-        # 3. size from data: coverage of the validation split per threshold, pick the smallest table that reaches it
-        vtokens = np.fromfile(tmp / "val.bin", dtype=tdt) if n_val else np.empty(0, tdt)
-        curve = coverage_curve(stages, vtokens, val_offsets, orders, max_len, tdt, floor)
-        if coverage is not None:
-            if not curve:
-                raise DraftheadsError("--coverage needs validation documents, but none were held out; "
-                                      "raise --validation (fraction of documents) or pass --min-count instead")
+        def count(threshold, entries, measure, sorted_io):
+            with bar(total=counter.windows, unit="window", unit_scale=True, desc=f"count min-count {threshold}") as pb:
+                return counter.count(threshold, entries, measure, sorted_io, pb)
+
+        runs = count(floor, coverage is None, stats, "save" if coverage is not None else None)
+        curve = stats.curve(orders, max_len, tdt)
+        if coverage is not None:  # size from data: the smallest table that reaches the coverage, counted again
             ok = [c for c in curve if c["coverage"] >= coverage]
-            chosen = max(ok, key=lambda c: c["min_count"]) if ok else curve[0]
             if not ok:
                 log(f"[draft_file] coverage {coverage} is not reachable (best {curve[0]['coverage']:.3f} at "
                     "min-count 1); using min-count 1")
-            min_count = chosen["min_count"]
+            min_count = max(ok, key=lambda c: c["min_count"])["min_count"] if ok else curve[0]["min_count"]
+            runs = count(min_count, True, None, "load")
         selected = next((c for c in curve if c["min_count"] == min_count), None)
-        if min_count != floor:  # the tries are cut at min-count: recount at the chosen one
-            stages = count_all(min_count)
         t_count = time.perf_counter() - t0 - t_tok
 
         header = {
@@ -269,76 +539,37 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
             "token_dtype": tdt.str, "sources": sources, "validation_fraction": validation,
             "validation": {"tokens": int(n_val), "curve": curve, "selected": selected},
         }
-        stored = (tokens, doc_offsets, vtokens, val_offsets) if keep_corpus else None
-        write_file(out, header, stages, stored, tdt, max_len)
-    f = DraftFile(out)
-    report = {"tokens": int(n_tokens), "validation_tokens": int(n_val), "keys": f.n_keys, "entries": f.n_entries,
-              "file_bytes": f.header["file_bytes"], "table_bytes": f.header["table_bytes"], "min_count": min_count,
-              "tokenize_s": round(t_tok, 2), "count_s": round(t_count, 2),
-              "total_s": round(time.perf_counter() - t0, 2), "partitions": len(parts), "selected": selected}
-    return report
+        stored = (docs.tokens(), doc_offsets, vtokens, val_offsets) if keep_corpus else None
+        K = sum(int(r["key_bounds"][-1]) for r in runs)
+        E = sum(int(r["entry_bounds"][-1]) for r in runs)
+        with bar(total=K, unit="key", unit_scale=True, desc="write") as pbar:
+            write_file(out, header, _counted(counter.merged(runs), pbar), K, E, stored, tdt, max_len)
+    f = DraftFile(out, verify=False)
+    return {"tokens": int(n_tokens), "validation_tokens": int(n_val), "keys": f.n_keys, "entries": f.n_entries,
+            "file_bytes": f.header["file_bytes"], "table_bytes": f.header["table_bytes"], "min_count": min_count,
+            "tokenize_s": round(t_tok, 2), "count_s": round(t_count, 2),
+            "write_s": round(time.perf_counter() - t0 - t_tok - t_count, 2), "total_s": round(time.perf_counter() - t0, 2),
+            "threads": threads, "partitions": counter.n_parts, "groups": counter.n_groups,
+            "spread_first_tokens": int((counter.pieces > 1).sum()), "selected": selected}
 
 
-def coverage_curve(stages, vtokens, val_offsets, orders, max_len, tdt, floor: int = 1,
-                   max_positions: int = 200_000) -> list[dict]:
-    """Per min-count threshold >= floor (the stages hold nothing below it): table size and, on validation
-    positions, hit rate and coverage (the served key's best continuation starts with the right token)."""
-    thresholds = [c for c in THRESHOLDS if c >= floor]
-    # sizes are upper bounds: at a higher threshold some leaves are cut shorter and merge
-    n_keys = np.array([[(s["counts"][_firsts(s), 0] >= c).sum() for s in stages] for c in thresholds]).sum(1)
-    n_ent = np.array([sum(int((s["counts"][:, 0] >= c).sum()) for s in stages) for c in thresholds])
-    entry_bytes = max_len * (tdt.itemsize + 4)
-    sizes = n_keys * (8 + 1 + 4 + 8) + n_ent * entry_bytes
-    offs = val_offsets.astype(np.int64)
-    if len(vtokens) < 2:
-        return []
-    pos = np.arange(len(vtokens) - 1)
-    doc = np.searchsorted(offs, pos, side="right") - 1
-    pos = pos[pos + 1 < offs[doc + 1]]
-    if len(pos) > max_positions:  # evenly spaced sample: deterministic
-        pos = pos[np.linspace(0, len(pos) - 1, max_positions).astype(np.int64)]
-    doc = np.searchsorted(offs, pos, side="right") - 1
-    W = max(orders)
-    idx = pos[:, None] - np.arange(W - 1, -1, -1)[None, :]  # [P, W] newest last
-    ctx = np.where(idx >= offs[doc][:, None], vtokens[np.maximum(idx, 0)].astype(np.int64), -1)
-    keys = context_keys(ctx, orders)  # [P, n_orders]
-    truth = vtokens[pos + 1].astype(np.int64)
-    top_count = np.zeros(keys.shape, dtype=np.int64)  # count of the key's best continuation (0 = key absent)
-    top_right = np.zeros(keys.shape, dtype=bool)
-    for s in stages:
-        if not len(s["keys"]):
-            continue
-        first = _firsts(s)
-        at = np.minimum(s["keys"].searchsorted(keys), len(s["keys"]) - 1)
-        hit = (s["keys"][at] == keys) & (keys != 0)
-        top_count = np.where(hit, s["counts"][first[at], 0], top_count)  # count of the most frequent first token
-        top_right |= hit & (s["tokens"][first[at], 0].astype(np.int64) == truth[:, None])
-    curve = []
-    for i, c in enumerate(thresholds):
-        live = top_count >= c  # [P, n_orders]
-        served = np.where(live.any(1), len(orders) - 1 - np.argmax(live[:, ::-1], axis=1), -1)  # longest live order
-        right = np.where(served >= 0, top_right[np.arange(len(pos)), np.maximum(served, 0)], False)
-        per_order = {str(o): {"served": round(float((served == j).mean()), 4),
-                              "right": round(float(right[served == j].mean()), 4) if (served == j).any() else 0.0}
-                     for j, o in enumerate(orders)}
-        curve.append({"min_count": c, "keys": int(n_keys[i]), "entries": int(n_ent[i]),
-                      "table_bytes_bound": int(sizes[i]),  # the written table is smaller: leaves get cut and merge
-                      "hit_rate": round(float((served >= 0).mean()), 4), "coverage": round(float(right.mean()), 4),
-                      "per_order": per_order})
-        if n_keys[i] == 0:
-            break
-    return curve
+def _counted(chunks: Iterator[dict], pbar) -> Iterator[dict]:
+    for c in chunks:
+        pbar.update(len(c["keys"]))
+        yield c
 
 
-def _firsts(stage: dict) -> np.ndarray:
-    """Index of each key's first (best) entry in a stage."""
-    n = stage["n_entries"].astype(np.int64)
-    return np.cumsum(n) - n
+def _corpus_chars(paths: list[str]) -> int:
+    """Bytes of the corpus files (the progress bar's total: characters of text, roughly)."""
+    from data.readers import TEXT_SUFFIXES
+
+    total = 0
+    for p in map(Path, paths):
+        files = (f for f in p.rglob("*") if f.suffix in TEXT_SUFFIXES) if p.is_dir() else [p] if p.exists() else []
+        total += sum(f.stat().st_size for f in files if f.is_file())
+    return total
 
 
-# ---------------------------------------------------------------------------------------------
-# stats, inspect, CLI
-# ---------------------------------------------------------------------------------------------
 def stats(f: DraftFile) -> dict:
     """Entries, bytes and the validation coverage per order recorded at build time."""
     per_order = {str(o): {"keys": int((f.key_orders == o).sum())} for o in f.orders}
@@ -405,6 +636,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--coverage", type=float, default=None, help="pick min-count for this validation coverage")
         p.add_argument("--validation", type=float, default=0.02, help="fraction of documents held out")
         p.add_argument("--memory-mb", type=int, default=1024)
+        p.add_argument("--threads", type=int, default=None, help="workers (default: the CPUs available)")
         p.add_argument("--out", required=True)
     p = sub.add_parser("stats")
     p.add_argument("file")
@@ -428,10 +660,12 @@ def main(argv: list[str] | None = None) -> None:
             report = build(args.corpus, tokenizer, args.out, target_name=name, vocab_size=vocab,
                            orders=[int(o) for o in args.orders.split(",")], continuations=args.continuations,
                            max_len=args.max_len, min_count=args.min_count, coverage=args.coverage,
-                           validation=args.validation, keep_corpus=not args.no_corpus, memory_mb=args.memory_mb)
+                           validation=args.validation, keep_corpus=not args.no_corpus, memory_mb=args.memory_mb,
+                           threads=args.threads)
         else:
             report = merge(DraftFile(args.file), args.corpus, tokenizer, args.out, min_count=args.min_count,
-                           coverage=args.coverage, validation=args.validation, memory_mb=args.memory_mb)
+                           coverage=args.coverage, validation=args.validation, memory_mb=args.memory_mb,
+                           threads=args.threads)
         print(json.dumps(report))
     except DraftheadsError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -440,7 +674,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def merge(base: DraftFile, corpus: list[str], tokenizer, out: str | Path, min_count: int | None = None,
           coverage: float | None = None, validation: float | None = None, memory_mb: int = 1024,
-) -> dict:
+          threads: int | None = None) -> dict:
     """Add a corpus to an existing file: equals build(base's corpora + corpus) with the base's settings."""
     h = base.header
     base.check_tokenizer(tokenizer)
@@ -451,7 +685,7 @@ def merge(base: DraftFile, corpus: list[str], tokenizer, out: str | Path, min_co
                  orders=h["orders"], continuations=h["continuations"], max_len=h["max_len"],
                  min_count=min_count or h["min_count"], coverage=coverage,
                  validation=h["validation_fraction"] if validation is None else validation,
-                 memory_mb=memory_mb, base=base)
+                 memory_mb=memory_mb, threads=threads, base=base)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 
-from data.draft_file import DraftFile
-from data.draft_file_build import build, inspect, main, merge, stats
+from data.draft_file import SEED, DraftFile, hash_finish, hash_step
+from data.draft_file_build import _encoder, build, inspect, main, merge, stats
 from models.errors import DraftheadsError
 from models.tiny_tokenizer import tiny_byte_tokenizer
 
@@ -36,6 +36,77 @@ def build_tiny(corpus, out, **kw):
     kw.setdefault("validation", 0.0)
     return build([str(c) for c in corpus], TOK, out, target_name="tiny-random-llama", vocab_size=len(TOK),
                  log=lambda *_: None, **kw)
+
+
+def reference_table(token_docs, orders, m, L, min_count, pad):
+    """The whole table by brute force, Python loops: {key: (order, total, [(tokens, counts)] best first)}.
+
+    Per context: its continuations (L tokens, PAD past the document's end), the prefixes occurring >= min_count
+    times, the leaves (kept prefixes no kept prefix extends), ranked by the count of their first token, then of
+    their first two (kept or not), then token order; the top m, PAD and 0 past a leaf's end."""
+    conts = defaultdict(list)  # (order, context) -> continuations
+    for ids in token_docs:
+        for i in range(len(ids) - 1):
+            cont = tuple(ids[i + 1: i + 1 + L]) + (pad,) * max(0, i + 1 + L - len(ids))
+            for k in orders:
+                if i - k + 1 >= 0:
+                    conts[(k, tuple(ids[i - k + 1: i + 1]))].append(cont)
+    table = {}
+    for (k, context), rows in conts.items():
+        prefix = Counter(row[:j] for row in rows for j in range(1, L + 1))
+        kept = {p for p, n in prefix.items() if n >= min_count}
+        leaves = [p for p in kept if len(p) == L or not any(p + (t,) in kept for t in {r[len(p)] for r in rows})]
+        ranked = sorted(leaves, key=lambda p: (-prefix[p[:1]], -prefix[min(r for r in rows if r[:len(p)] == p)[:2]], p))
+        if not ranked:
+            continue
+        h = SEED
+        for t in reversed(context):
+            h = hash_step(h, t)
+        table[hash_finish(h, k)] = (k, len(rows), [(list(p) + [pad] * (L - len(p)),
+                                                    [prefix[p[:j]] for j in range(1, len(p) + 1)] + [0] * (L - len(p)))
+                                                   for p in ranked[:m]])
+    return table
+
+
+def file_table(f):
+    """The same dict read back from a draft file."""
+    offs = f.key_offsets.astype(np.int64)
+    return {int(key): (int(o), int(t), [(f.entry_tokens[e].tolist(), f.entry_counts[e].tolist()) for e in range(a, b)])
+            for key, o, t, a, b in zip(f.keys, f.key_orders, f.key_totals, offs[:-1], offs[1:])}
+
+
+@pytest.mark.parametrize("orders,m,L,min_count", [((1, 2, 3, 4), 4, 8, 1), ((1, 2, 3, 4), 4, 8, 2),
+                                                  ((1, 3), 2, 5, 3), ((2, 4), 3, 3, 2), ((1, 2), 5, 1, 2)])
+def test_sorted_window_counting_equals_brute_force(tmp_path, orders, m, L, min_count):
+    """Every key, total, entry and prefix count of the file, against Python loops over the documents."""
+    corpus = write_corpus(tmp_path, "c", 20)
+    build_tiny([corpus], tmp_path / "a.dfl", orders=orders, continuations=m, max_len=L, min_count=min_count,
+               memory_mb=0)  # many partitions, first tokens spread over several
+    docs = [TOK(p.read_text(), add_special_tokens=False)["input_ids"] for p in sorted(corpus.iterdir())]
+    f = DraftFile(tmp_path / "a.dfl")
+    want = reference_table(docs, orders, m, L, min_count, f.pad)
+    assert file_table(f) == want and len(want) > 20
+    assert list(f.keys) == sorted(want)
+
+
+def test_32_bit_tokens_and_spread_first_tokens(tmp_path):
+    """A vocabulary past 65535 stores 4-byte tokens (two per sort word); a tiny memory budget spreads frequent
+    first tokens over partitions. Same table as brute force either way."""
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(0, 6, size=rng.integers(5, 60)) * 13_000).tolist() for _ in range(60)]  # ids up to 65000
+    for memory_mb, name in ((1024, "big"), (0, "small")):
+        rep = build([], TOK, tmp_path / f"{name}.dfl", target_name="wide", vocab_size=70_000, min_count=2,
+                    validation=0.0, token_docs=docs, memory_mb=memory_mb, log=lambda *_: None)
+        f = DraftFile(tmp_path / f"{name}.dfl")
+        assert f.entry_tokens.dtype.itemsize == 4
+        assert file_table(f) == reference_table(docs, (1, 2, 3, 4), 4, 8, 2, f.pad)
+    assert rep["spread_first_tokens"] > 0 and rep["partitions"] > 6
+    assert (tmp_path / "big.dfl").read_bytes() == (tmp_path / "small.dfl").read_bytes()
+
+
+def test_batch_encoder_matches_the_tokenizer_call():
+    texts = SNIPPETS + ["<|im_start|>user\nhi<|im_end|>\n", "", "  spaces\n\n\tand tabs  "]
+    assert _encoder(TOK)(texts) == TOK(texts, add_special_tokens=False)["input_ids"]
 
 
 def reference_tries(token_docs, orders, L, min_count):
@@ -151,6 +222,17 @@ def test_coverage_picks_the_smallest_table_reaching_it(tmp_path):
     later = [c for c in curve if c["min_count"] > chosen["min_count"]]
     assert all(c["coverage"] < 0.5 for c in later)
     assert rep["min_count"] == chosen["min_count"] > 1
+    # the second count (from sorted windows kept on disk) makes the table a plain build at that min-count makes
+    build_tiny([corpus], tmp_path / "plain.dfl", min_count=rep["min_count"], validation=0.2)
+    assert file_table(DraftFile(tmp_path / "cov.dfl")) == file_table(DraftFile(tmp_path / "plain.dfl"))
+
+
+def test_a_file_without_keys_answers_nothing(tmp_path):
+    build_tiny([write_corpus(tmp_path, "c", 2)], tmp_path / "none.dfl", min_count=10_000)
+    f = DraftFile(tmp_path / "none.dfl")
+    assert f.n_keys == 0 and f.lookup([1, 2, 3]) is None
+    tokens, counts, order = f.lookup_batch(np.array([[1, 2, 3, 4], [-1, -1, -1, 5]]))
+    assert (order == 0).all() and (tokens == -1).all() and (counts == 0).all()
 
 
 def test_foreign_tokenizer_is_refused(tmp_path, tiny_target):
