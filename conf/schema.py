@@ -1,12 +1,14 @@
-"""Structured (dataclass) schemas for every config group: a typo or a wrong type fails at compose time.
+"""Structured (dataclass) schemas for every config group: a typo or a wrong type fails at compose time; a value
+out of its range or set fails in `check_config` (RULES below), before any work and before any process is launched.
 
 Config never reaches model code: entry points read these and call builders with flat, typed parameters.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Callable, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -156,3 +158,97 @@ def register_configs() -> None:
     for group, node in [("target", TargetConfig), ("draft", DraftConfig), ("data", DataConfig), ("train", TrainConfig),
                         ("eval", EvalConfig), ("runtime", RuntimeConfig), ("accelerate", AccelerateConfig)]:
         cs.store(group=group, name=f"base_{group}", node=node)
+
+
+# ---------------------------------------------------------------------------------------------
+# legal values: every number has a range, every string that selects something a set (tests/test_config.py checks
+# that no field is left out); None passes where the field is Optional
+# ---------------------------------------------------------------------------------------------
+def at_least(lo: float) -> Callable:
+    return lambda v: (math.isfinite(v) and v >= lo, f"must be >= {lo:g}")
+
+
+def above(lo: float) -> Callable:
+    return lambda v: (math.isfinite(v) and v > lo, f"must be > {lo:g}")
+
+
+def between(lo: float, hi: float) -> Callable:
+    return lambda v: (math.isfinite(v) and lo <= v <= hi, f"must be in [{lo:g}, {hi:g}]")
+
+
+def one_of(*names: str) -> Callable:
+    return lambda v: (v in names, f"must be one of {list(names)}")
+
+
+def each(rule: Callable) -> Callable:
+    def check(values):
+        for v in values:
+            ok, why = rule(v)
+            if not ok:
+                return False, f"every entry {why}"
+        return True, ""
+    return check
+
+
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+RULES: dict[str, Callable] = {
+    "target.dtype": one_of(*DTYPES), "target.layer_ids": each(at_least(0)),
+    "draft.family": one_of("peagle", "eagle3", "medusa", "dspark", "dflash"), "draft.k": between(1, 64),
+    "draft.num_layers": between(1, 64), "draft.draft_vocab_size": at_least(1),
+    "data.source": one_of("sharegpt", "chat_jsonl", "prompt_jsonl", "text_dir", "humaneval"),
+    "data.max_records": at_least(1), "data.skip_records": at_least(0), "data.max_length": at_least(8),
+    "data.overlong": one_of("truncate", "skip"), "data.regen_max_new": at_least(1), "data.regen_turns": at_least(1),
+    "data.regen_batch_size": at_least(1), "data.regen_temperature": at_least(0), "data.regen_dtype": one_of(*DTYPES),
+    "data.regen_backend": one_of("runtime", "openai"), "data.features": one_of("offline", "online", "none"),
+    "data.feature_dtype": one_of("bfloat16", "int8"), "data.shard_mb": above(0),
+    "train.stages": each(one_of("soft_label", "rl")), "train.steps": at_least(1), "train.rl_steps": at_least(0),
+    "train.batch_size": at_least(1), "train.grad_accum": at_least(1), "train.lr": above(0), "train.rl_lr": above(0),
+    "train.weight_decay": at_least(0), "train.warmup_steps": at_least(0), "train.max_grad_norm": at_least(0),
+    "train.mixed_precision": one_of("no", "bf16"), "train.loss": one_of("fkl", "rkl", "tv", "lk"),
+    "train.ce_weight": at_least(0), "train.position_weighting": one_of("none", "exp"),
+    "train.position_gamma": above(0), "train.lk_tv_weight": between(0, 1), "train.hidden_weight": at_least(0),
+    "train.distill_weight": at_least(0), "train.confidence_weight": at_least(0),
+    "train.anchors_per_sequence": at_least(1), "train.cod_decay": between(0.01, 1),
+    "train.temperature.start": above(0), "train.temperature.end": above(0),
+    "train.temperature.schedule": one_of("constant", "linear", "cosine", "exp"), "train.temperature.steps": at_least(1),
+    "train.rl_kl_weight": at_least(0), "train.rl_pg_weight": at_least(0), "train.rl_max_context": at_least(2),
+    "train.rl_anchors": at_least(1), "train.rl_temperature": at_least(0), "train.rl_surrogate_temperature": above(0),
+    "train.checkpoint_every": at_least(1), "train.holdout_sequences": at_least(0), "train.eval_every": at_least(1),
+    "train.log_every": at_least(1), "train.seed": at_least(0),
+    "eval.limit": at_least(0), "eval.max_new": at_least(1), "eval.k": each(between(1, 64)),
+    "eval.temperatures": each(at_least(0)),
+    "runtime.device": one_of("cpu", "cuda"), "runtime.threads": between(1, 1024),
+    "accelerate.strategy": one_of("single", "ddp", "fsdp", "zero2", "zero3"), "accelerate.num_processes": at_least(1),
+    "accelerate.num_machines": at_least(1), "accelerate.machine_rank": at_least(0),
+    "accelerate.main_process_port": between(1, 65535), "accelerate.timeout_minutes": at_least(1),
+}
+FREE_FORM = {"target.name", "target.path", "target.config", "draft.init_from", "draft.extra", "data.path",
+             "data.regen_server",
+             "train.wandb_project", "eval.prompts", "eval.categories", "eval.sources",
+             "accelerate.main_process_ip", "output_dir", "name"}
+
+
+def schema_fields(node=Config, prefix: str = ""):
+    """(dotted name, type) of every leaf field of the schema."""
+    hints = get_type_hints(node)
+    for f in fields(node):
+        kind = hints[f.name]
+        if is_dataclass(kind):
+            yield from schema_fields(kind, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", kind
+
+
+def check_config(cfg) -> None:
+    """Raise DraftheadsError naming the first value out of its range or set, and what is legal."""
+    from models.errors import DraftheadsError
+
+    for name, rule in RULES.items():
+        node = cfg
+        for part in name.split("."):
+            node = node[part]
+        if node is None:
+            continue
+        ok, why = rule(node)
+        if not ok:
+            raise DraftheadsError(f"{name}={node} {why}; fix it on the command line or in the experiment file")

@@ -171,11 +171,11 @@ def _feature_forward(target: Target):
     """ids [B, T] right-padded -> TargetOutput without logits. On CPU, for Llama-style targets, the runtime's compact
     forward (float32 weights packed for oneDNN: HF's forward takes MKL's AVX2 path on this AMD CPU); right padding then
     needs no mask, since under causal attention no real token sees a pad. Otherwise (GPU, a sharded target) HF's."""
-    from inference.llama import LlamaForward
+    from inference.llama import compact_forward
 
     if target.device.type == "cpu" and not target.sharded:
         try:
-            fwd = LlamaForward(target)
+            fwd = compact_forward(target)
         except DraftheadsError:
             pass
         else:

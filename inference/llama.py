@@ -88,6 +88,14 @@ def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, exac
     return out.to(q.dtype)
 
 
+def compact_forward(target: Target) -> "LlamaForward":
+    """The target's compact forward, built once per target and freed with it: feature extraction, online features and
+    RL's block scoring share it (on CPU each LlamaForward packs its own copy of the float32 weights)."""
+    if "compact_forward" not in target.derived:
+        target.derived["compact_forward"] = LlamaForward(target)
+    return target.derived["compact_forward"]
+
+
 class LlamaForward:
     def __init__(self, target: Target, pack_weights: bool = True, row_invariant: bool = True):
         self.target = target

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -32,7 +33,6 @@ CHECKED_KEYS = ("vocab_size", "hidden_size", "tokenizer_hash", "layer_ids")
 
 def save_draft(head, out_dir, target, resolved_config: str | None = None, metrics: dict | None = None) -> Path:
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -45,12 +45,19 @@ def save_draft(head, out_dir, target, resolved_config: str | None = None, metric
         "draft_vocab": None if getattr(head, "draft_ids", None) is None
         else {"size": int(head.d2t.numel()), "maps": "d2t (target id = i + d2t[i]), t2d in model.safetensors"},
     }
-    (out / "config.json").write_text(json.dumps(config, indent=2))
     state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
-    save_file(state, out / "model.safetensors")
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise DraftheadsError(f"the {head.family_name} head has non-finite values in {bad[:3]}; it was not saved to "
+                              f"'{out}'. Lower train.lr or check the features")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, out / "model.safetensors.tmp")
+    os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
     if resolved_config is not None:
         (out / "resolved_config.yaml").write_text(resolved_config)
     (out / "metrics.json").write_text(json.dumps(metrics or {}, indent=2))
+    (out / "config.json.tmp").write_text(json.dumps(config, indent=2))
+    os.replace(out / "config.json.tmp", out / "config.json")  # last: a directory with config.json is complete
     return out
 
 

@@ -76,6 +76,7 @@ class Target:
                  parts: str = "all", sharded: bool = False):
         self.model = model.eval().requires_grad_(False)
         self.parts, self.sharded = parts, sharded
+        self.derived: dict = {}  # what other layers build from this target once (the runtime's compact forward)
         self.tokenizer = tokenizer
         self.name = name
         cfg = model.config

@@ -1,5 +1,6 @@
 """Every experiment composes; typos and unknown names fail at compose time with Hydra's message."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,53 @@ def test_missing_model_stops_before_work_without_traceback(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == f"error: target GGUF file '{tmp_path}/missing.gguf' does not exist; check target.path"
     assert not (tmp_path / "out" / "data").exists()
+
+
+def test_every_setting_has_a_legal_range_or_set():
+    from conf.schema import FREE_FORM, RULES, schema_fields
+
+    fields = dict(schema_fields())
+    assert set(RULES) <= set(fields)  # no rule for a field that no longer exists
+    unchecked = [n for n, kind in fields.items() if n not in RULES and n not in FREE_FORM and kind is not bool]
+    assert unchecked == []
+
+
+@pytest.mark.parametrize("override,message", [
+    ("draft.k=0", "draft.k=0 must be in [1, 64]"), ("draft.k=-1", "draft.k=-1 must be in [1, 64]"),
+    ("train.steps=0", "train.steps=0 must be >= 1"), ("train.steps=-5", "train.steps=-5 must be >= 1"),
+    ("train.grad_accum=0", "train.grad_accum=0 must be >= 1"), ("train.rl_steps=-3", "train.rl_steps=-3 must be >= 0"),
+    ("train.batch_size=0", "train.batch_size=0 must be >= 1"), ("train.lr=-1", "train.lr=-1.0 must be > 0"),
+    ("train.checkpoint_every=0", "must be >= 1"), ("train.log_every=0", "must be >= 1"),
+    ("train.eval_every=0", "must be >= 1"), ("runtime.threads=0", "runtime.threads=0 must be in [1, 1024]"),
+    ("data.overlong=explode", "data.overlong=explode must be one of ['truncate', 'skip']"),
+    ("data.regen_max_new=0", "must be >= 1"), ("train.mixed_precision=fp8", "must be one of ['no', 'bf16']"),
+    ("train.temperature.start=0", "train.temperature.start=0.0 must be > 0"),
+    ("train.temperature.end=inf", "train.temperature.end=inf must be > 0"),
+    ("train.stages=[soft_label,rll]", "train.stages=['soft_label', 'rll'] every entry must be one of"),
+    ("eval.temperatures=[0,-1]", "every entry must be >= 0"),
+])
+def test_out_of_range_settings_are_refused_before_any_work(override, message):
+    from conf.schema import check_config
+    from models.errors import DraftheadsError
+
+    with pytest.raises(DraftheadsError, match=re.escape(message)):
+        check_config(_compose(["+experiment=smoke", override]))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.steps=0", "error: train.steps=0 must be >= 1; fix it on the command line or in the experiment file"),
+    ("runtime.device=cuda", "error: runtime.device=cuda but this machine has no CUDA device; use runtime=cpu"),
+])
+def test_the_cli_refuses_them_in_one_line(override, message, tmp_path):
+    r = _cli("+experiment=smoke", override, f"output_dir={tmp_path}/out")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == message
+    assert not (tmp_path / "out" / "data").exists()
+
+
+def test_an_unwritable_output_dir_is_refused_before_any_work(tmp_path):
+    (tmp_path / "file").write_text("")  # a directory cannot be made inside a file (chmod does not stop root)
+    r = _cli("+experiment=smoke", f"output_dir={tmp_path}/file/run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-1000:]
+    assert r.stderr.strip().splitlines()[-1] == (f"error: output_dir '{tmp_path}/file/run' is not writable (Not a "
+                                                 "directory); pick another output_dir")

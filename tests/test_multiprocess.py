@@ -207,7 +207,7 @@ def test_the_accelerate_group_is_the_one_source_of_strategy_and_launch():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (("accelerate.strategy=zero4",), "accelerate.strategy 'zero4' is not one of"),
+    (("accelerate.strategy=zero4",), "accelerate.strategy=zero4 must be one of"),
     (("accelerate.num_processes=2",), "accelerate.strategy=single runs one process, not 2"),
     (("accelerate=fsdp", "runtime.device=cpu"), "accelerate.strategy=fsdp shards over GPUs"),
     (("accelerate=ddp", "accelerate.machine_rank=3"), "accelerate.machine_rank=3 must be in 0..0"),

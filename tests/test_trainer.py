@@ -298,3 +298,14 @@ def test_trains_from_a_feature_directory_and_refuses_foreign_features(peaked_tar
     other = Target(*tiny_random_llama(num_layers=6), "tiny-random-llama", layer_ids=(0, 2, 4))
     with pytest.raises(DraftheadsError, match="layer_ids"):
         train_draft(make_cfg(tmp_path / "run2", steps=3), other, tmp_path / "features", tmp_path / "run2")
+
+
+def test_a_non_finite_loss_stops_training_and_saves_no_head(tiny_target, tmp_path):
+    """NaN features (a damaged shard) make the loss NaN: a clear error at that step, no head written."""
+    from train.trainer import train_draft
+
+    feats = tiny_features(tiny_target)
+    feats[3] = {**feats[3], "aux_hidden": torch.full_like(feats[3]["aux_hidden"], float("nan"))}
+    with pytest.raises(DraftheadsError, match=r"soft_label: the loss is nan at step \d+; nothing was saved"):
+        train_draft(make_cfg(tmp_path, steps=20), tiny_target, feats, tmp_path)
+    assert not (tmp_path / "head").exists() and not (tmp_path / "head_soft_label").exists()

@@ -21,7 +21,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from conf.schema import register_configs
+from conf.schema import check_config, register_configs
 from inference.sources import path_and_options
 from inference.sources.draft_head import TREE_FAMILIES
 from models.checkpoint import read_draft_config
@@ -100,6 +100,17 @@ def run(cfg: DictConfig) -> dict:
     return report
 
 
+def check_writable(out: Path) -> None:
+    """Before any work: the output directory exists (or can be made) and takes files."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise DraftheadsError(f"output_dir '{out}' is not writable ({e.strerror}); pick another output_dir") from None
+
+
 def source_label(spec: str) -> str:
     """'head:DIR,tree=1' -> 'head[tree=1]': the source's name and options, without its path."""
     name, _, arg = spec.partition(":")
@@ -145,6 +156,9 @@ def main(cfg: DictConfig) -> None:
     from train.distributed import relaunch
 
     try:
+        check_config(cfg)
+        if cfg.runtime.device == "cuda" and not torch.cuda.is_available():
+            raise DraftheadsError("runtime.device=cuda but this machine has no CUDA device; use runtime=cpu")
         if cfg.train.dry_run:  # the plan for the configured processes, from this one process
             from train.plan import print_plan
 
@@ -153,6 +167,7 @@ def main(cfg: DictConfig) -> None:
         from hydra.core.hydra_config import HydraConfig
 
         # more than one process asked for: exec torchrun over these arguments, the workers in this run's Hydra dir
+        check_writable(Path(cfg.output_dir))
         relaunch(cfg.accelerate, sys.argv[1:], HydraConfig.get().runtime.output_dir, cfg.runtime.device)
         run(cfg)
     except DraftheadsError as e:
@@ -160,6 +175,18 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
+def output_dir_from_argv(argv: list[str]) -> Path:
+    """The output_dir a command line names (Hydra creates its run directory inside it before any code of ours runs),
+    or the default's parent: checked before Hydra starts so an unwritable one is a clear error, not a traceback."""
+    named = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "output_dir" and "=" in a]
+    return Path(named[-1]) if named and "${" not in named[-1] else Path("outputs")
+
+
 if __name__ == "__main__":
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    try:
+        check_writable(output_dir_from_argv(sys.argv[1:]))
+    except DraftheadsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()

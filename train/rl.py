@@ -23,7 +23,6 @@ objective itself (val_expected_accepted, val_reward, val_alpha_k), logged next t
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inference.llama import LlamaForward
+from inference.llama import LlamaForward, compact_forward
 from inference.sampling import SamplingConfig
 from models.checkpoint import FAMILIES
 from models.errors import DraftheadsError
@@ -95,13 +94,6 @@ def exact_accepted(p_tok: Tensor, q_tok: Tensor, g: torch.Generator) -> Tensor:
 def expected_accepted(alpha: Tensor) -> Tensor:
     """[B]: sum_k prod_{j<=k} alpha_j for alpha [B, K]."""
     return alpha.cumprod(1).sum(1)
-
-
-@functools.lru_cache(maxsize=1)
-def scorer_for(target) -> LlamaForward:
-    """The frozen target's compact forward, built once per target: training and held-out validation share it (on CPU
-    each LlamaForward packs its own copy of the float32 weights)."""
-    return LlamaForward(target)
 
 
 @torch.no_grad()
@@ -211,7 +203,7 @@ def acceptance_stats(expected: Tensor, reward: Tensor, alpha: Tensor, serve_t: f
 def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None):
     """The loop's step function; `core` is the head module itself (the loop passes its wrapped form as `model`).
     `fill` (online runs) adds the target's hidden states to the step's sequences."""
-    scorer = scorer_for(target)
+    scorer = compact_forward(target)
 
     def step_fn(model, micro: int, temperature: float):
         g = torch.Generator().manual_seed(tc.seed * BLOCK_SEED + micro)
@@ -258,7 +250,7 @@ def rl_validation_fn(head, target, holdout, tc, k: int, device, fill=None):
     each, sequences without a usable anchor skipped), pooled over blocks; chunks split over ranks. Anchors and draws
     come from fixed seeds apart from training's, so two calls on the same head give the same numbers. T is
     train.rl_temperature, else the schedule's end temperature."""
-    scorer = scorer_for(target)
+    scorer = compact_forward(target)
     serve_t = tc.temperature.end if tc.rl_temperature is None else tc.rl_temperature
     n_chunks = math.ceil(len(holdout) / tc.batch_size)
 
@@ -338,6 +330,9 @@ def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, s
     logs, at step 0, every train.eval_every steps and at the end, stage 1's val_tau_est and the RL objective itself
     (rl_validation_fn)."""
     tc, k = cfg.train, head.k
+    if target.sharded:
+        raise DraftheadsError("RL scores drafts with the whole target on each rank; a sharded target (accelerate=fsdp "
+                              "or zero3 with several processes) is not supported there yet: use accelerate=ddp or zero2")
     if not tc.rl_steps:
         return True, ({n: v.detach().cpu() for n, v in head.state_dict().items()} if accelerator.is_main_process
                       else None), {}
