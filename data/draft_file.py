@@ -98,24 +98,27 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Candidates:
-    """Everything the file knows about one context: the longest matching order's continuations."""
+    """Everything the file knows about one context: the longest matching order's continuations. From
+    lookup_batch, about each of B contexts: every field has a leading [B] axis (order 0, no entries: no match)."""
 
-    order: int
-    tokens: np.ndarray  # [m, L] int64, -1 after a continuation's end; the most frequent path first
-    prefix_counts: np.ndarray  # [m, L] int64: occurrences of key + tokens[:j+1] (0 after the end)
-    total: int  # occurrences of the key in the corpus
-
-    @property
-    def lengths(self) -> np.ndarray:  # [m]
-        return (self.tokens >= 0).sum(1)
+    order: int | np.ndarray
+    tokens: np.ndarray  # [(B,) m, L] int64, -1 after a continuation's end; the most frequent path first
+    prefix_counts: np.ndarray  # [(B,) m, L] int64: occurrences of key + tokens[:j+1] (0 after the end)
+    total: int | np.ndarray  # occurrences of the key in the corpus
 
     @property
-    def counts(self) -> np.ndarray:  # [m] occurrences of each whole continuation
-        return self.prefix_counts[np.arange(len(self.tokens)), np.maximum(self.lengths - 1, 0)]
+    def lengths(self) -> np.ndarray:  # [(B,) m]
+        return (self.tokens >= 0).sum(-1)
 
     @property
-    def confidences(self) -> np.ndarray:  # [m, L] P(token j | key, tokens < j); 0 after the end
-        before = np.concatenate([np.full((len(self.tokens), 1), self.total), self.prefix_counts[:, :-1]], axis=1)
+    def counts(self) -> np.ndarray:  # [(B,) m] occurrences of each whole continuation
+        last = np.maximum(self.lengths - 1, 0)[..., None]
+        return np.take_along_axis(self.prefix_counts, last, axis=-1)[..., 0]
+
+    @property
+    def confidences(self) -> np.ndarray:  # [(B,) m, L] P(token j | key, tokens < j); 0 after the end
+        total = np.broadcast_to(np.asarray(self.total)[..., None, None], self.prefix_counts.shape[:-1] + (1,))
+        before = np.concatenate([total, self.prefix_counts[..., :-1]], axis=-1)
         return self.prefix_counts / np.maximum(before, 1)
 
 
@@ -255,15 +258,16 @@ class DraftFile:
             idx[rows[hot_hit]], hot[rows[hot_hit]] = hot_at[hot_hit], True
         return idx, order, hot
 
-    def lookup_batch(self, context: np.ndarray):
-        """Candidates for contexts [B, W] in one call: tokens [B, m, L] (-1 pad), prefix counts [B, m, L] (0 = none),
-        order [B] (0 = no key).
+    def lookup_batch(self, context: np.ndarray) -> Candidates:
+        """Candidates for contexts [B, W] (newest last, -1 = missing) in one call: tokens [B, m, L] (-1 pad),
+        prefix counts [B, m, L] (0 = none), order [B] (0 = no key), total [B].
 
         With a hot table (place_hot) its keys are answered from device tensors, the rest from the memmap."""
         idx, order, hot = self.find_keys(context)
         m = self.header["continuations"]
         tokens = np.full((len(idx), m, self.max_len), -1, np.int64)
         counts = np.zeros((len(idx), m, self.max_len), np.int64)
+        totals = np.zeros(len(idx), np.int64)
         for table, rows in ((self._hot, np.flatnonzero(hot)), (self._cold, np.flatnonzero(~hot & (idx >= 0)))):
             if table is None or not len(rows):
                 continue
@@ -275,14 +279,15 @@ class DraftFile:
             got_tokens = _np(ent_tokens[e]) if table is self._hot else self._signed_tokens(ent_tokens[e])
             got_counts = _np(ent_counts[e])
             got_tokens[missing], got_counts[missing] = -1, 0
-            tokens[rows], counts[rows] = got_tokens, got_counts
+            tokens[rows], counts[rows], totals[rows] = got_tokens, got_counts, _np(table["totals"][k])
         if self._hot is not None:
             tokens[tokens == self.pad] = -1  # the hot table keeps the file's PAD
-        return tokens, counts, order
+        return Candidates(order, tokens, counts, totals)
 
     @property
     def _cold(self) -> dict:
-        return {"offsets": self.key_offsets, "tokens": self.entry_tokens, "counts": self.entry_counts}
+        return {"offsets": self.key_offsets, "tokens": self.entry_tokens, "counts": self.entry_counts,
+                "totals": self.key_totals}
 
     # -- hot / cold placement -----------------------------------------------------------------
     def place_hot(self, fraction: float, device="cpu") -> dict:
@@ -300,6 +305,7 @@ class DraftFile:
         ent = np.repeat(start - hot_offsets[:-1], sizes[sel]) + np.arange(hot_offsets[-1])  # entry ids, hot order
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
         self._hot = {"keys": t(self.keys.view(np.int64)[sel]), "offsets": t(hot_offsets),
+                     "totals": t(self.key_totals[sel].astype(np.int64)),
                      "tokens": t(self.entry_tokens[ent].astype(np.int64)), "counts": t(self.entry_counts[ent].astype(np.int64))}
         return {"hot_fraction": fraction, "hot_keys": n_hot, "hot_entries": int(hot_offsets[-1]),
                 "hot_bytes": int(sum(v.numel() * v.element_size() for v in self._hot.values()))}

@@ -171,22 +171,27 @@ def test_batched_lookup_and_hot_table_agree_with_single(tmp_path):
     f = DraftFile(out)
     ids = TOK("".join(SNIPPETS) + "print(zzz)", add_special_tokens=False)["input_ids"]
     ctx = np.array([[-1] * max(0, 4 - i) + ids[max(0, i - 4): i] for i in range(1, len(ids))])  # [B, 4]
-    tokens, counts, order = f.lookup_batch(ctx)
+    batch = f.lookup_batch(ctx)
+    tokens, counts, order = batch.tokens, batch.prefix_counts, batch.order
     for b in range(len(ctx)):
         single = f.lookup([t for t in ctx[b] if t >= 0])
         if single is None:
-            assert order[b] == 0 and counts[b].sum() == 0
+            assert order[b] == 0 and counts[b].sum() == 0 and batch.total[b] == 0
         else:
             n = len(single.tokens)
-            assert order[b] == single.order and (counts[b, :n] == single.prefix_counts).all()
-            assert (tokens[b, :n] == single.tokens).all() and counts[b, n:].sum() == 0
+            assert order[b] == single.order and batch.total[b] == single.total
+            assert (counts[b, :n] == single.prefix_counts).all() and counts[b, n:].sum() == 0
+            assert (tokens[b, :n] == single.tokens).all() and (tokens[b, n:] == -1).all()
+            np.testing.assert_array_equal(batch.confidences[b, :n], single.confidences)
+            np.testing.assert_array_equal(batch.counts[b, :n], single.counts)
     cold = f.hot_hit_rate(ctx)
     assert cold["hot_share_of_hits"] == 0.0 and 0.5 < cold["hit_rate"] < 1.0
     shares = []
     for x in (0.05, 0.5, 1.0):
         f.place_hot(x)
-        hot_tokens, hot_counts, hot_order = f.lookup_batch(ctx)  # same answers from device tensors
-        assert (hot_tokens == tokens).all() and (hot_counts == counts).all() and (hot_order == order).all()
+        hot = f.lookup_batch(ctx)  # same answers from device tensors
+        for name in ("tokens", "prefix_counts", "order", "total"):
+            np.testing.assert_array_equal(getattr(hot, name), getattr(batch, name))
         shares.append(f.hot_hit_rate(ctx)["hot_share_of_hits"])
     assert shares[0] < shares[1] < shares[2] == 1.0
 
@@ -231,8 +236,8 @@ def test_a_file_without_keys_answers_nothing(tmp_path):
     build_tiny([write_corpus(tmp_path, "c", 2)], tmp_path / "none.dfl", min_count=10_000)
     f = DraftFile(tmp_path / "none.dfl")
     assert f.n_keys == 0 and f.lookup([1, 2, 3]) is None
-    tokens, counts, order = f.lookup_batch(np.array([[1, 2, 3, 4], [-1, -1, -1, 5]]))
-    assert (order == 0).all() and (tokens == -1).all() and (counts == 0).all()
+    c = f.lookup_batch(np.array([[1, 2, 3, 4], [-1, -1, -1, 5]]))
+    assert (c.order == 0).all() and (c.tokens == -1).all() and (c.prefix_counts == 0).all() and (c.total == 0).all()
 
 
 def test_foreign_tokenizer_is_refused(tmp_path, tiny_target):

@@ -64,10 +64,14 @@ def test_prompt_lookup_goes_first_when_the_context_repeats(fox_file):
 def test_tree_draft_keeps_the_k_most_likely_nodes(fox_file):
     source = DraftFileSource(fox_file, prompt_lookup=False, tree=True)
     draft = propose(source, "the quick brown ", 6)
-    # 'fox ' (path prob 0.75 each) then 'ca' (0.25): two branches from the anchor
-    assert text(draft.tokens) == "fox ca"
-    assert draft.parents.tolist() == [-1, 0, 1, 2, -1, 4]
-    torch.testing.assert_close(draft.confidences, torch.tensor([0.75, 1, 1, 1, 0.25, 1]))
+    # 'fox ' (path prob 0.75 each; max_len 4) is extended by the lookup of its own context: 'jump' (0.75 each)
+    assert text(draft.tokens) == "fox ju"
+    assert draft.parents.tolist() == [-1, 0, 1, 2, 3, 4]
+    torch.testing.assert_close(draft.confidences, torch.tensor([0.75, 1, 1, 1, 1, 1]))
+    draft = propose(source, "the quick brown ", 12)  # then 'cat ' (0.25): two branches from the anchor
+    assert text(draft.tokens) == "fox cat jump"
+    assert draft.parents.tolist() == [-1, 0, 1, 2, -1, 4, 5, 6, 3, 8, 9, 10]
+    torch.testing.assert_close(draft.confidences, torch.tensor([0.75, 1, 1, 1, 0.25, 1, 1, 1, 1, 1, 1, 1]))
 
 
 def test_tau_on_a_tiny_target_with_its_own_outputs(tiny_target, tmp_path):

@@ -11,8 +11,10 @@ Confidence of draft token j = P(t_j | key, t_<j) from the file's exact prefix co
 key was followed by t_1..t_j, over how often by t_1..t_j-1): an estimate of P(token j accepted |
 tokens < j accepted) under the corpus distribution.
 
-`tree=True` returns the key's continuations merged into a token tree (Draft.parents), the k nodes of
-highest path probability; the default `tree=False` returns the best chain, which the chain verifier takes.
+`tree=True` returns the key's continuations merged into a token tree (Draft.parents), each leaf extended by
+one more lookup of its own context (all leaves in one `lookup_batch`, the tree's version of the chain walk),
+and keeps the k nodes of highest path probability; the default `tree=False` returns the best chain, which the
+chain verifier takes.
 
 Registry (one line in inference/sources/__init__.py):
     SOURCES["draft_file"] = "inference.sources.draft_file:draft_file_source"
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from data.draft_file import DraftFile
@@ -89,20 +92,37 @@ class DraftFileSource:
         # trie of the continuations: node = (parent, token); its confidence is the same from every leaf under it
         index: dict[tuple[int, int], int] = {}
         parent, token, cond = [], [], []
-        for row, conf in zip(c.tokens.tolist(), c.confidences.tolist()):
-            node = -1
-            for t, p in zip(row, conf):
-                if t < 0:
-                    break
-                if (node, t) not in index:
-                    index[(node, t)] = len(token)
-                    parent.append(node), token.append(t), cond.append(p)
-                node = index[(node, t)]
-        path = []
+
+        def add(under: int, rows: list, confs: list) -> None:
+            for row, conf in zip(rows, confs):
+                node = under
+                for t, p in zip(row, conf):
+                    if t < 0:
+                        break
+                    if (node, t) not in index:
+                        index[(node, t)] = len(token)
+                        parent.append(node), token.append(t), cond.append(p)
+                    node = index[(node, t)]
+
+        add(-1, c.tokens.tolist(), c.confidences.tolist())
+        # one more hop for every leaf, as the chain walk takes for its one path: all leaves' contexts in one lookup
+        leaves = sorted(set(range(len(token))) - set(parent))
+        contexts = np.full((len(leaves), self.window), -1, np.int64)
+        for r, leaf in enumerate(leaves):
+            path, node = [], leaf
+            while node >= 0:
+                path.append(token[node])
+                node = parent[node]
+            seq = (tail + path[::-1])[-self.window:]
+            contexts[r, self.window - len(seq):] = seq
+        more = self.file.lookup_batch(contexts)
+        for r in np.flatnonzero(more.order):
+            add(leaves[r], more.tokens[r].tolist(), more.confidences[r].tolist())
+        path_p = []
         for i in range(len(token)):  # parents come before children in insertion order
-            path.append(cond[i] * (path[parent[i]] if parent[i] >= 0 else 1.0))
+            path_p.append(cond[i] * (path_p[parent[i]] if parent[i] >= 0 else 1.0))
         # a child's path probability never exceeds its parent's, so the top-k set is a tree; ties keep insertion order
-        keep = sorted(sorted(range(len(token)), key=lambda i: (-path[i], i))[:k])
+        keep = sorted(sorted(range(len(token)), key=lambda i: (-path_p[i], i))[:k])
         new_id = {old: j for j, old in enumerate(keep)}
         return Draft(tokens=torch.tensor([token[i] for i in keep], dtype=torch.long),
                      confidences=torch.tensor([cond[i] for i in keep], dtype=torch.float32),
