@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU measurement of the runtime and of training, in under 9 minutes on one GPU, offline (no registry).
+# GPU measurement of the runtime and of training, in under 10 minutes on one GPU, offline (no registry).
 #
 #   bash eval/gpu_check.sh [OUT_DIR]          # default outputs/gpu_check
 #
@@ -51,9 +51,9 @@ for w in shared/wheels ../shared/wheels; do [ -z "$WHEELS" ] && [ -d "$w" ] && W
 $PY -c "import hydra" 2>/dev/null || { [ -n "$WHEELS" ] && $PY -m pip install -q --no-index --find-links "$WHEELS" \
   hydra-core omegaconf > "$OUT/deps.log" 2>&1; }
 # kernels vs references on the GPU, and the CPU test suite of the runtime under this image's torch
-step kernels 50 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py
-step unit 60 $PY -m pytest -q -p no:cacheprovider -x tests/test_runtime.py tests/test_tree.py tests/test_schedulers.py
-step kernel_bench 30 $PY -c "
+step kernels 40 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py
+step unit 50 $PY -m pytest -q -p no:cacheprovider -x tests/test_runtime.py tests/test_tree.py tests/test_schedulers.py
+step kernel_bench 25 $PY -c "
 import json, torch, triton.testing as tt
 from inference import kernels
 B, K, V = 32, 8, 49152
@@ -69,20 +69,21 @@ print(json.dumps({'B': B, 'K': K, 'V': V,
 "
 COMMON="$TARGET_ARGS --device $DEVICE --source prompt_lookup --prompts $PROMPTS --threads 4 --temperature 0"
 # eager float32: our plain/spec vs HF generate / HF prompt lookup, lossless check
-step eager_fp32 80 $PY -m eval.speedup $COMMON --dtype float32 --max-new $MAX_NEW --limit $LIMIT --check-lossless
+step eager_fp32 70 $PY -m eval.speedup $COMMON --dtype float32 --max-new $MAX_NEW --limit $LIMIT --check-lossless
 # CUDA graphs for decode/verify (captured per shape, seconds to build), float32 and bf16
-step graphs_fp32 60 $PY -m eval.speedup $COMMON --dtype float32 --max-new $MAX_NEW --limit $LIMIT --cuda-graphs \
+step graphs_fp32 55 $PY -m eval.speedup $COMMON --dtype float32 --max-new $MAX_NEW --limit $LIMIT --cuda-graphs \
   --modes plain,spec --check-lossless
-step graphs_bf16 50 $PY -m eval.speedup $COMMON --dtype bfloat16 --max-new $MAX_NEW --limit $LIMIT --cuda-graphs --modes plain,spec
+step graphs_bf16 45 $PY -m eval.speedup $COMMON --dtype bfloat16 --max-new $MAX_NEW --limit $LIMIT --cuda-graphs --modes plain,spec
 # batch 8 with per-request draft lengths, grouped by the profiled verify cost
-step batch8_graphs 50 $PY -m eval.speedup $COMMON --dtype float32 --max-new $MAX_NEW --limit $((2 * LIMIT)) --batch 8 --cuda-graphs \
+step batch8_graphs 45 $PY -m eval.speedup $COMMON --dtype float32 --max-new $MAX_NEW --limit $((2 * LIMIT)) --batch 8 --cuda-graphs \
   --modes plain,spec --check-lossless
 # torch.compile(mode="reduce-overhead") last: its compile time is the least predictable
-step compile_fp32 70 $PY -m eval.speedup $COMMON --dtype float32 --max-new $((MAX_NEW / 2)) --limit $((LIMIT / 2 + 1)) --compile --modes plain,spec
+step compile_fp32 60 $PY -m eval.speedup $COMMON --dtype float32 --max-new $((MAX_NEW / 2)) --limit $((LIMIT / 2 + 1)) --compile --modes plain,spec
 # training on the GPU (bf16 autocast): tokens/s and peak memory next to the dry-run plan's estimate, then the same
 # through accelerate's FSDP2 path (one process: the wrapped forward, full state dict gathered for saving)
 TRAIN="--device cuda --mixed-precision bf16 --family peagle --layers 1 --k 8 --batch 8 --length 2048 --steps 20 --threads 4"
-step train_single 90 $PY -m eval.train_bench $TARGET_ARGS $TRAIN
-step train_fsdp 90 $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m eval.train_bench $TARGET_ARGS \
+step train_single 55 $PY -m eval.train_bench $TARGET_ARGS $TRAIN
+step train_online 55 $PY -m eval.train_bench $TARGET_ARGS $TRAIN --online
+step train_fsdp 55 $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m eval.train_bench $TARGET_ARGS \
   $TRAIN --strategy fsdp
 echo "== done in $(( $(date +%s) - start ))s; summary: $OUT/summary.jsonl"

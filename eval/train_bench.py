@@ -45,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
     p.add_argument("--strategy", default="single", help="accelerate strategy when launched by torchrun")
+    p.add_argument("--online", action="store_true", help="the target computes the hidden states in every step")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="run directory (default: a temporary one)")
     args = p.parse_args(argv)
@@ -68,15 +69,16 @@ def config(args) -> "OmegaConf":
     return cfg
 
 
-def features(target, n: int, length: int, device) -> list[dict]:
+def features(target, n: int, length: int, device, hidden: bool) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     items = []
     with torch.no_grad():
         for _ in range(n):
             ids = torch.randint(0, min(target.vocab_size, 32000), (length,), generator=g)
-            out = target(ids[None].to(device))
-            items.append({"input_ids": ids, "loss_mask": torch.ones(length, dtype=torch.bool),
-                          "aux_hidden": out.aux_hidden[0].float(), "final_hidden": out.final_hidden[0].float()})
+            items.append({"input_ids": ids, "loss_mask": torch.ones(length, dtype=torch.bool)})
+            if hidden:
+                out = target(ids[None].to(device))
+                items[-1] |= {"aux_hidden": out.aux_hidden[0].float(), "final_hidden": out.final_hidden[0].float()}
     return items
 
 
@@ -92,9 +94,9 @@ def run(args) -> dict:
     dtype = "bfloat16" if args.mixed_precision == "bf16" and args.device != "cpu" else "float32"
     target = random_smollm2_shape(dtype, device) if args.target == RANDOM_TARGET else \
         load_target(args.target, args.target_path, dtype=dtype, device=device)
-    items = features(target, 2 * args.batch, args.length, device)
+    items = features(target, 2 * args.batch, args.length, device, hidden=not args.online)
     est = memory(sizes_of(target, _initial_head(cfg.draft, target, items)), cfg, args.strategy,
-                 accelerator.num_processes, online=False, device="cuda" if args.device != "cpu" else "cpu")
+                 accelerator.num_processes, online=args.online, device="cuda" if args.device != "cpu" else "cpu")
     if args.device != "cpu":
         torch.cuda.reset_peak_memory_stats()
     out = Path(args.out or tempfile.mkdtemp(prefix="train_bench_"))
@@ -106,7 +108,7 @@ def run(args) -> dict:
     peak = torch.cuda.max_memory_allocated() if args.device != "cpu" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"target": target.name, "device": device, "processes": accelerator.num_processes,
-            "strategy": args.strategy, "family": args.family, "layers": args.layers, "k": args.k,
+            "strategy": args.strategy, "online": args.online, "family": args.family, "layers": args.layers, "k": args.k,
             "batch": args.batch, "length": args.length, "steps": args.steps, "mixed_precision": args.mixed_precision,
             "threads": args.threads, "tokens_per_s": rows[-1]["tokens_per_s"] if rows else None,
             "final_loss": rows[-1]["loss"] if rows else None, "wall_s": round(wall, 1),

@@ -309,3 +309,52 @@ def test_a_non_finite_loss_stops_training_and_saves_no_head(tiny_target, tmp_pat
     with pytest.raises(DraftheadsError, match=r"soft_label: the loss is nan at step \d+; nothing was saved"):
         train_draft(make_cfg(tmp_path, steps=20), tiny_target, feats, tmp_path)
     assert not (tmp_path / "head").exists() and not (tmp_path / "head_soft_label").exists()
+
+
+def test_a_resume_with_other_settings_is_refused_and_resume_false_starts_over(peaked_target, tmp_path):
+    """Checkpoints and a finished stage-1 head record what shaped them: a rerun with another draft.k or learning rate
+    names the difference instead of loading them; train.resume=false clears the stage's checkpoints and best weights,
+    so nothing of the earlier run is compared against or returned."""
+    from train.trainer import train_draft
+
+    feats = tiny_features(peaked_target, n=7) + tiny_features(peaked_target, n=3)
+    train_draft(make_cfg(tmp_path, steps=6, checkpoint_every=3), peaked_target, feats, tmp_path, stop_at_step=4)
+    other_k = make_cfg(tmp_path, steps=6, checkpoint_every=3)
+    other_k.draft.k = 4
+    with pytest.raises(DraftheadsError, match=r"checkpoints in .* other settings \(draft.k: 3 there, 4 now\)"):
+        train_draft(other_k, peaked_target, feats, tmp_path)
+    good = make_cfg(tmp_path, steps=8, holdout_sequences=3, eval_every=2, lr=3e-2)
+    with pytest.raises(DraftheadsError, match="train.holdout_sequences: 0 there, 3 now"):
+        train_draft(good, peaked_target, feats, tmp_path)
+    good.train.resume = False  # start over: the killed run's checkpoints go
+    train_draft(good, peaked_target, feats, tmp_path)
+    first = json.loads((tmp_path / "head" / "metrics.json").read_text())
+    with pytest.raises(DraftheadsError, match=r"stage-1 head in .* other settings \(train.lr: 0.03 there, 1e-09 now"):
+        train_draft(make_cfg(tmp_path, steps=8, holdout_sequences=3, eval_every=2, lr=1e-9), peaked_target, feats,
+                    tmp_path)
+    slow = make_cfg(tmp_path, steps=8, holdout_sequences=3, eval_every=2, lr=1e-9, resume=False)
+    train_draft(slow, peaked_target, feats, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    assert sorted(val) == [2, 4, 6, 8]  # only the last run's lines
+    second = json.loads((tmp_path / "head" / "metrics.json").read_text())
+    assert second["best_val_loss"] == min(val.values()) > first["best_val_loss"]  # its own best, not the earlier one
+
+
+def test_rl_killed_before_its_first_checkpoint_logs_step_0_once(peaked_target, tmp_path):
+    from train.trainer import train_draft
+
+    feats = tiny_features(peaked_target, n=10)
+    cfg = make_cfg(tmp_path, steps=4, rl_steps=6, rl_lr=1e-3, stages=["soft_label", "rl"], rl_max_context=30,
+                   holdout_sequences=2, eval_every=100, checkpoint_every=5)
+    train_draft(cfg, peaked_target, feats, tmp_path, stop_at_step=None)  # stage 1 done, RL done
+    rl_dir = tmp_path / "checkpoints_rl"
+    import shutil
+
+    shutil.rmtree(rl_dir)
+    shutil.rmtree(tmp_path / "head")
+    train_draft(cfg, peaked_target, feats, tmp_path, stop_at_step=2)  # RL killed before its step-5 checkpoint
+    train_draft(cfg, peaked_target, feats, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rl = [(r["step"], "val_tau_est" in r) for r in rows if r["stage"] == "rl"]
+    assert rl == [(0, True), *[(s, False) for s in range(1, 7)], (6, True)]

@@ -103,6 +103,7 @@ class Stage:
     ckpt_root: Path
     validate: Callable | None = None  # (model, Shard) -> metrics (identical on every rank), or None
     keep_best: bool = True  # keep the lowest-val_loss weights (stage 1); RL only logs validation, step 0 included
+    settings: dict = field(default_factory=dict)  # what shapes the weights (train.trainer.stage_settings)
 
 
 @dataclass
@@ -131,6 +132,10 @@ class RunLog:
         if len(kept) != sum(1 for line in lines if line):
             write_atomic(self.path, b"".join(line + b"\n" for line in kept))
 
+    def restart(self, stage: str) -> None:
+        """A stage starting from step 0 (no checkpoint): none of its earlier lines stand (step-0 validation included)."""
+        self.resume(stage, -1)
+
     def write(self, row: dict) -> None:
         if not self.main:
             return
@@ -157,8 +162,38 @@ def lr_factor(step: int, warmup: int, steps: int, floor: float = 0.1) -> float:
 
 
 def newest_checkpoint(root: Path) -> Path | None:
-    done = [p for p in root.glob("step_*") if (p / "trainer_state.json").is_file()]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+    """The newest complete checkpoint: its trainer_state.json (written last, atomically) names its step."""
+    done = []
+    for p in root.glob("step_*"):
+        try:
+            done.append((json.loads((p / "trainer_state.json").read_text())["step"], p))
+        except (OSError, ValueError, KeyError):
+            continue  # no marker (or a damaged one): the save never finished
+    return max(done, key=lambda sp: sp[0], default=(0, None))[1]
+
+
+def check_settings(path: Path, settings: dict, what: str) -> None:
+    """Raise naming the differences when the settings recorded at `path` are not `settings`."""
+    recorded = json.loads(path.read_text())
+    keys = sorted(set(recorded) | set(settings))
+    diff = [f"{k}: {recorded.get(k)!r} there, {settings.get(k)!r} now" for k in keys if recorded.get(k) != settings.get(k)]
+    if diff:
+        raise DraftheadsError(f"{what} were made with other settings ({'; '.join(diff[:4])}); rerun with the same "
+                              "settings to resume, set train.resume=false to start over, or use another output_dir")
+
+
+def check_or_record_settings(root: Path, settings: dict, main: bool, resume: bool) -> None:
+    """A resume is only a resume: checkpoints made with other weight-shaping settings are an error that names the
+    difference. train.resume=false starts over: the stage's earlier checkpoints and best weights are removed."""
+    path = root / "settings.json"
+    if not resume and main and root.exists():
+        print(f"[draftheads] train.resume=false: removing the earlier checkpoints in {root}")
+        shutil.rmtree(root)
+    if path.is_file():
+        check_settings(path, settings, f"the checkpoints in '{root}'")
+    elif main:
+        root.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(settings, indent=1, sort_keys=True).encode())
 
 
 def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop_at_step: int | None = None):
@@ -169,16 +204,21 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
     optimizer = torch.optim.AdamW(params, lr=stage.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     model, optimizer = accelerator.prepare(model, optimizer)
     shard, main, A = shard_of(accelerator), accelerator.is_main_process, tc.grad_accum
+    check_or_record_settings(stage.ckpt_root, stage.settings, main, tc.resume)
+    accelerator.wait_for_everyone()
 
     step = 0
-    last = newest_checkpoint(stage.ckpt_root) if tc.resume else None
+    last = newest_checkpoint(stage.ckpt_root)
     if last is not None:
         accelerator.load_state(str(last))
         step = json.loads((last / "trainer_state.json").read_text())["step"]
         if main:
             print(f"[draftheads] {stage.name}: resumed from {last} (step {step})")
     accelerator.step = step * A  # where accelerate's accumulation counter stands (sync on every A-th micro-step)
-    log.resume(stage.name, step)
+    if step:
+        log.resume(stage.name, step)
+    else:
+        log.restart(stage.name)
     best = _read_best(stage.ckpt_root) if stage.keep_best else None
     if stage.validate is not None and not stage.keep_best and step == 0:
         log.write({"stage": stage.name, "step": 0, **_validate(model, stage, shard)})

@@ -325,7 +325,8 @@ def block_logits(core, out, anchors: Tensor, valid: Tensor, k: int) -> Tensor:
     return logits.view(-1, k, logits.shape[-1])
 
 
-def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, stop_at_step=None, fill=None):
+def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, stop_at_step=None, fill=None,
+             settings=None):
     """Stage 2 from `head` (the stage-1 result): run_stage's (finished, state, metrics). With held-out sequences it
     logs, at step 0, every train.eval_every steps and at the end, stage 1's val_tau_est and the RL objective itself
     (rl_validation_fn)."""
@@ -348,5 +349,5 @@ def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, s
 
     stage = Stage("rl", tc.rl_steps, tc.rl_lr, min(tc.warmup_steps, tc.rl_steps // 5),
                   rl_step_fn(head, reference, target, dataset, tc, k, target.device, fill), out / "checkpoints_rl", validate,
-                  keep_best=False)
+                  keep_best=False, settings=settings or {})
     return run_stage(accelerator, head, stage, tc, log, stop_at_step)

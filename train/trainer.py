@@ -24,7 +24,7 @@ from models.checkpoint import build_draft, head_from_state, load_draft, save_dra
 from models.draft_vocab import build_draft_vocab
 from models.errors import DraftheadsError
 from train.cod import anchor_plan, cod_plan
-from train.loop import RunLog, Shard, Stage, Tally, run_stage
+from train.loop import RunLog, Shard, Stage, Tally, check_settings, run_stage
 from train.losses import distill_loss, position_weights, token_ce, total_variation
 
 STAGES = ("soft_label", "rl")
@@ -270,9 +270,13 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     log = RunLog(out / "metrics.jsonl", main, _wandb(cfg, out) if tc.wandb and main else None)
     start, metrics = dc.init_from, {}
 
+    data_id = data_identity(everything)
     if "soft_label" in tc.stages:
         stage_dir = out / "head_soft_label"
+        settings = stage_settings(cfg, "soft_label", data_id, dc.init_from)
         if (stage_dir / "config.json").is_file() and tc.resume:
+            if (stage_dir / "settings.json").is_file():
+                check_settings(stage_dir / "settings.json", settings, f"the stage-1 head in '{stage_dir}'")
             if main:
                 print(f"[draftheads] soft_label: already done ({stage_dir})")
         else:
@@ -281,12 +285,13 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
             stage = Stage("soft_label", tc.steps, tc.lr, tc.warmup_steps,
                           soft_label_step_fn(target, dataset, tc, dc.k, head.family_name, target.device, fill),
                           out / "checkpoints", None if holdout is None else validation_fn(loss_on, holdout,
-                                                                                          tc.batch_size, dc.k))
+                                                                                          tc.batch_size, dc.k),
+                          settings=settings)
             finished, state, metrics = run_stage(accelerator, head, stage, tc, log, stop_at_step)
             accelerator.free_memory()
             if not finished:
                 return out  # simulated kill: no head
-            _save_head(accelerator, head, state, stage_dir, target, resolved, metrics)
+            _save_head(accelerator, head, state, stage_dir, target, resolved, metrics, settings)
         start = stage_dir
 
     if "rl" in tc.stages:
@@ -295,12 +300,13 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
         if not start:
             raise DraftheadsError("train.stages=[rl] needs draft.init_from=DIR (a stage-1 head) to start from")
         head = _trainable(load_draft(start, target), tc)
+        settings = stage_settings(cfg, "rl", data_id, _head_identity(start))
         finished, state, metrics = train_rl(cfg, head, target, dataset, holdout, out, log, accelerator, stop_at_step,
-                                            fill)
+                                            fill, settings)
         accelerator.free_memory()
         if not finished:
             return out
-        _save_head(accelerator, head, state, out / "head", target, resolved, metrics)
+        _save_head(accelerator, head, state, out / "head", target, resolved, metrics, settings)
     else:
         head = load_draft(start, target)
         if main:
@@ -311,12 +317,47 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     return out / "head"
 
 
-def _save_head(accelerator, head, state: dict | None, out_dir: Path, target, resolved, metrics) -> None:
-    """The main process writes the head with `state` (the full state dict run_stage returned); the others wait."""
+NOT_SHAPING = {"steps", "rl_steps", "checkpoint_every", "eval_every", "log_every", "resume", "wandb", "wandb_project",
+               "dry_run", "stages"}
+
+
+def stage_settings(cfg, stage: str, data_id, start) -> dict:
+    """What shapes a stage's weights, flat: draft.*, train.* (RL's knobs for RL only; steps may be raised to train
+    longer), the data it reads and the head it starts from. Recorded with its checkpoints and its head."""
+    from omegaconf import OmegaConf
+
+    flat = {f"draft.{k}": v for k, v in OmegaConf.to_container(cfg.draft, resolve=True).items()}
+    for k, v in OmegaConf.to_container(cfg.train, resolve=True).items():
+        if k not in NOT_SHAPING and (stage == "rl" or not k.startswith("rl_")):
+            flat[f"train.{k}"] = v
+    return {"stage": stage, **flat, "data": data_id, "start": None if start is None else str(start)}
+
+
+def data_identity(dataset) -> str | None:
+    """A feature directory's identity: its sequence count and the digest of its last shard (in-memory data: none)."""
+    manifest = getattr(dataset, "manifest", None)
+    if manifest is None:
+        return None
+    return f"{manifest['sequences_done']} sequences, {manifest['shards'][-1].get('sha256')}"
+
+
+def _save_head(accelerator, head, state: dict | None, out_dir: Path, target, resolved, metrics, settings) -> None:
+    """The main process writes the head with `state` (the full state dict run_stage returned) and the settings that
+    made it; the others wait."""
     if accelerator.is_main_process:
         final = head_from_state(head.family_name, head.config, state, target, f"the trained {head.family_name} head")
-        save_draft(final, out_dir, target, resolved, metrics)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "settings.json").write_text(json.dumps(settings, indent=1, sort_keys=True))
+        save_draft(final, out_dir, target, resolved, metrics)  # config.json last: the head is complete
     accelerator.wait_for_everyone()
+
+
+def _head_identity(head_dir) -> str:
+    """A starting head: its path and the digest of its weights file (a retrained stage 1 is another start)."""
+    import hashlib
+
+    with open(Path(head_dir) / "model.safetensors", "rb") as f:
+        return f"{head_dir} sha256:{hashlib.file_digest(f, 'sha256').hexdigest()[:16]}"
 
 
 def _read_metrics(head_dir) -> dict:
