@@ -28,7 +28,10 @@ def test_smoke_experiment_runs_end_to_end_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert "[draftheads] data: ready in" in again.stdout
     assert (tmp_path / "data" / "regenerated.jsonl").read_text() == regenerated
-    more = _run(tmp_path, "data.max_records=10")  # a setting that shapes the data: the stage runs and extends
+    more = _run(tmp_path, "data.max_records=10")  # a setting that shapes the data: the stage runs and extends ...
+    assert more.returncode == 2 and "Traceback" not in more.stderr  # ... and the stage-1 head no longer matches it
+    assert "stage-1 head" in more.stderr and "other settings (data: '6 sequences" in more.stderr, more.stderr[-2000:]
+    more = _run(tmp_path, "data.max_records=10", "train.resume=false")
     assert more.returncode == 0, more.stderr[-2000:]
     report3 = json.loads((tmp_path / "run_report.json").read_text())
     assert report3["data"]["conversations"] == 10 and report3["data"]["features"]["new_tokens"] > 0
