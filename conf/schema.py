@@ -252,3 +252,16 @@ def check_config(cfg) -> None:
         ok, why = rule(node)
         if not ok:
             raise DraftheadsError(f"{name}={node} {why}; fix it on the command line or in the experiment file")
+
+
+def check_args(args, rules: dict[str, Callable]) -> None:
+    """The same ranges for a command line's arguments (argparse namespace): `--max-new=0 must be >= 1`."""
+    from models.errors import DraftheadsError
+
+    for name, rule in rules.items():
+        value = getattr(args, name, None)  # a command without this argument: nothing to check
+        if value is None:
+            continue
+        ok, why = rule(value)
+        if not ok:
+            raise DraftheadsError(f"--{name.replace('_', '-')}={value} {why}")

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from data.chat import prompt_ids
+from conf.schema import at_least, between, check_args
 from eval.report import markdown_table, write_report
 from inference.generate import SpecResult, speculative_generate
 from inference.sampling import SamplingConfig
@@ -32,6 +33,16 @@ from models.errors import DraftheadsError
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORY_ALIASES = {"mt_bench": MT_BENCH}
+
+
+CLI_RULES = {"k": between(1, 64), "max_new": at_least(1), "limit": at_least(1), "threads": between(1, 1024),
+             "temperature": at_least(0), "top_p": between(1e-9, 1), "top_k": at_least(0), "seed": at_least(0)}
+
+
+def parse_categories(spec: str | None) -> list[str] | None:
+    """'writing, coding' -> ['writing', 'coding'] (spaces and empty entries dropped); None -> None."""
+    names = [c.strip() for c in spec.split(",") if c.strip()] if spec else []
+    return names or None
 
 
 def load_prompts(path: str | Path, categories: list[str] | None = None, limit: int | None = None) -> list[dict]:
@@ -205,11 +216,9 @@ def run(args: argparse.Namespace, target=None) -> dict:
     from inference.sources import build_source, source_layer_ids
     from models.target import load_target
 
-    if args.k < 1 or args.max_new < 1:
-        raise DraftheadsError(f"--k and --max-new must be >= 1 (got k={args.k}, max-new={args.max_new})")
+    check_args(args, CLI_RULES)
     torch.set_num_threads(args.threads)
-    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
-    prompts = load_prompts(args.prompts, categories, args.limit)
+    prompts = load_prompts(args.prompts, parse_categories(args.categories), args.limit)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
     if target is None:
         target = load_target(args.target, path=args.target_path, layer_ids=source_layer_ids(args.source),

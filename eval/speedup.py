@@ -27,7 +27,8 @@ from collections import defaultdict
 import torch
 
 from data.chat import prompt_ids
-from eval.acceptance import load_prompts
+from conf.schema import at_least, check_args
+from eval.acceptance import CLI_RULES, load_prompts, parse_categories
 from inference.runtime import Runtime, RuntimeStats
 from inference.sampling import SamplingConfig
 from inference.schedulers import ConfidencePrefix, DynamicK
@@ -116,6 +117,7 @@ def timed(fn):
 
 
 def run(args: argparse.Namespace) -> tuple[dict, bool]:
+    check_args(args, {**CLI_RULES, "k_max": at_least(1), "batch": at_least(1), "repeats": at_least(1)})
     torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
@@ -129,7 +131,7 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
     # one source per batch slot: sources may keep per-request state (a head's draft KV cache)
     sources = [build_source(args.source, target) for _ in range(args.batch)]
     sampling = SamplingConfig(temperature=args.temperature)
-    records = load_prompts(args.prompts, args.categories.split(",") if args.categories else None, args.limit)
+    records = load_prompts(args.prompts, parse_categories(args.categories), args.limit)
     tok = target.tokenizer
     prompts = [prompt_ids(tok, [{"role": "user", "content": r["turns"][0]}]).tolist() for r in records]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,16 @@ class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+
+    def __post_init__(self):
+        from models.errors import DraftheadsError
+
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise DraftheadsError(f"temperature {self.temperature} must be a finite number >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise DraftheadsError(f"top_p {self.top_p} must be in (0, 1] (1 = off)")
+        if self.top_k < 0:
+            raise DraftheadsError(f"top_k {self.top_k} must be >= 0 (0 = off)")
 
     @property
     def greedy(self) -> bool:
