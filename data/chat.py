@@ -71,6 +71,19 @@ def tokenize_chat(tokenizer, conv: Conversation, max_length: int | None = None, 
     return TokenizedChat(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), truncated)
 
 
+def tokenize_text(tokenizer, text: str, max_length: int | None = None, overlong: str = "truncate"
+                  ) -> TokenizedChat | None:
+    """A plain document (code, text): its tokens without a chat template, every token but the first trained."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    truncated = max_length is not None and len(ids) > max_length
+    if truncated and overlong == "skip":
+        return None
+    ids = ids[:max_length] if truncated else ids
+    mask = torch.ones(len(ids), dtype=torch.bool)
+    mask[:1] = False
+    return TokenizedChat(torch.tensor(ids, dtype=torch.long), mask, truncated)
+
+
 def prompt_ids(tokenizer, conv: Conversation) -> Tensor:
     """Ids of a chat ending with a user turn, followed by the assistant generation prompt: [T] int64."""
     ids = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)

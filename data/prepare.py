@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from data.chat import tokenize_chat
+from data.chat import tokenize_chat, tokenize_text
 from data.features import MANIFEST, extract_features, merge_parts
-from data.readers import ReadStats, read_conversations
+from data.readers import DOCUMENT_SOURCES, PROMPT_SOURCES, ReadStats, read_conversations, read_text_dir
 from data.regenerate import merge_parts as merge_regenerated
 from data.regenerate import regenerate
 from models.errors import DraftheadsError
@@ -73,14 +73,20 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
         out.mkdir(parents=True, exist_ok=True)
     workers.wait()
     stats = ReadStats()
-    convs = list(itertools.islice(read_conversations(d.source, d.path, stats), d.skip_records,
-                                  d.skip_records + d.max_records))
+    documents = d.source in DOCUMENT_SOURCES  # trained on as they are: no chat template, no regeneration
+    read = read_text_dir(_path_of(d), stats=stats) if documents else read_conversations(d.source, d.path, stats)
+    convs = list(itertools.islice(read, d.skip_records, d.skip_records + d.max_records))
     if not convs:
-        raise DraftheadsError(f"data source '{d.source}' ({d.path or 'packaged copy'}) gave no usable conversations "
+        raise DraftheadsError(f"data source '{d.source}' ({d.path or 'packaged copy'}) gave no usable records "
                               f"(read stats: {stats.summary()}); check data.source / data.path")
+    if d.source in PROMPT_SOURCES and not d.regenerate:
+        raise DraftheadsError(f"data.source={d.source} holds prompts only: set data.regenerate=true so the target "
+                              "answers them")
     report: dict = {"settings": data_settings(d, target.fingerprint, seed), "read": stats.summary(),
                     "conversations": len(convs), "processes": workers.world}
-    if d.regenerate:
+    if documents:
+        chats = []
+    elif d.regenerate:
         max_prompt = max(d.max_length - d.regen_max_new, 1)
         report["regenerate"] = regenerate(
             target, convs, out / "regenerated.jsonl", max_new=d.regen_max_new, turns=d.regen_turns,
@@ -99,8 +105,9 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
     else:
         chats = [(c, False) for c in convs]
     sequences, overlong_count = [], 0
-    for conv, open_last in chats:
-        tc = tokenize_chat(target.tokenizer, conv, d.max_length, d.overlong, last_turn_open=open_last)
+    tokenized = ((tokenize_text(target.tokenizer, doc, d.max_length, d.overlong) for doc in convs) if documents else
+                 (tokenize_chat(target.tokenizer, c, d.max_length, d.overlong, last_turn_open=o) for c, o in chats))
+    for tc in tokenized:
         if tc is None or tc.truncated:
             overlong_count += 1
         if tc is not None and tc.loss_mask.any():
@@ -114,6 +121,12 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
         (out / "data_report.json").write_text(json.dumps(report, indent=1))
     workers.wait()
     return report
+
+
+def _path_of(d) -> str:
+    if not d.path:
+        raise DraftheadsError(f"data.source={d.source} needs data.path (a directory of text or code files)")
+    return d.path
 
 
 def _sequences_on_disk(target: Target, sequences, out: Path, d, workers: Workers) -> dict:

@@ -146,24 +146,42 @@ def normalise_conversation(turns: list, stats: ReadStats) -> Conversation | None
     return system + conv
 
 
+CHAT_SOURCES = ("sharegpt", "chat_jsonl")  # conversations with assistant turns
+PROMPT_SOURCES = ("prompt_jsonl", "humaneval")  # user turns only: the target answers them (data.regenerate)
+DOCUMENT_SOURCES = ("text_dir",)  # plain text / code, trained on as it is (no chat template)
+
+
 def read_conversations(source: str, path: str | None = None, stats: ReadStats | None = None) -> Iterator[Conversation]:
-    """Conversations from `source` in {sharegpt, chat_jsonl}; records that cannot be used are counted and skipped."""
+    """Conversations from a chat or prompt source. Prompt records become conversations whose assistant turns are
+    empty (regeneration writes them); records that cannot be used are counted and skipped."""
     stats = stats if stats is not None else ReadStats()
+    if source in PROMPT_SOURCES:
+        records = read_humaneval(path, stats) if source == "humaneval" else read_prompts(_needs_path(source, path),
+                                                                                         stats)
+        for rec in records:
+            yield [turn for user in rec["turns"] for turn in ({"role": "user", "content": user},
+                                                             {"role": "assistant", "content": ""})]
+        return
     if source == "sharegpt":
         file = Path(path) if path else sharegpt_path()
         records = iter_json_array(file, stats) if not file.suffix == ".jsonl" else iter_jsonl(file, stats)
     elif source == "chat_jsonl":
-        if not path:
-            raise DraftheadsError("data.source=chat_jsonl needs data.path=FILE.jsonl")
-        records = iter_jsonl(Path(path), stats)
+        records = iter_jsonl(Path(_needs_path(source, path)), stats)
     else:
-        raise DraftheadsError(f"read_conversations: unknown source '{source}' (sharegpt, chat_jsonl)")
+        raise DraftheadsError(f"data.source '{source}' has no conversations; pick one of "
+                              f"{list(CHAT_SOURCES + PROMPT_SOURCES)} (text_dir: read_documents)")
     for rec in records:
         turns = rec.get("conversations", rec.get("messages")) if isinstance(rec, dict) else None
         conv = normalise_conversation(turns, stats)
         if conv is not None:
             stats.kept += 1
             yield conv
+
+
+def _needs_path(source: str, path: str | None) -> str:
+    if not path:
+        raise DraftheadsError(f"data.source={source} needs data.path (a file or directory to read)")
+    return path
 
 
 def read_prompts(path: str | Path, stats: ReadStats | None = None) -> Iterator[dict]:

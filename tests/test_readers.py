@@ -88,3 +88,54 @@ def test_documents_from_jsonl_fields(tmp_path):
     stats = ReadStats()
     assert list(iter_documents(p, stats=stats)) == ["a", "b", "c\nd"]
     assert dict(stats.skipped) == {"no_text_fields": 2}
+
+
+@pytest.mark.parametrize("source", ["sharegpt", "chat_jsonl", "prompt_jsonl", "humaneval", "text_dir"])
+def test_every_reader_feeds_the_data_stage(tiny_target, tmp_path, source):
+    """Chats are tokenized with their answers (regenerated here), prompts are answered by the target, documents are
+    trained on as they are (no template, every token but the first)."""
+    from omegaconf import OmegaConf
+
+    from conf.schema import DataConfig
+    from data.features import FeatureDataset
+    from data.prepare import prepare_data
+
+    path = None
+    if source == "chat_jsonl":
+        path = tmp_path / "chats.jsonl"
+        path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"},
+                                                         {"role": "assistant", "content": f"hello {i}"}]}) + "\n"
+                                for i in range(5)))
+    elif source == "prompt_jsonl":
+        path = tmp_path / "prompts.jsonl"
+        path.write_text("".join(json.dumps({"turns": [f"write {i}"]}) + "\n" for i in range(5)))
+    elif source == "text_dir":
+        path = tmp_path / "code"
+        path.mkdir()
+        for i in range(5):
+            (path / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n")
+    d = OmegaConf.structured(DataConfig(source=source, path=None if path is None else str(path), max_records=4,
+                                        max_length=2048, regen_max_new=8, regen_batch_size=4, shard_mb=0.01))
+    report = prepare_data(tiny_target, tmp_path / "data", d)
+    ds = FeatureDataset(tmp_path / "data" / "features")
+    # ShareGPT's first prompts are long for a byte tokenizer: most are skipped (counted) at this max_length
+    assert report["tokenize"]["sequences"] == len(ds) >= (1 if source == "sharegpt" else 4)
+    assert report["tokenize"]["assistant_tokens"] > 0
+    item = ds[0]
+    if source == "text_dir":
+        assert "regenerate" not in report and bool(item["loss_mask"][1:].all()) and not item["loss_mask"][0]
+        assert tiny_target.tokenizer.decode(item["input_ids"]).startswith("def f0(x):")
+    else:
+        assert report["regenerate"]["records"] + report["regenerate"]["skipped_long_prompt"] == 4
+        assert 0 < int(item["loss_mask"].sum()) < len(item["loss_mask"])
+
+
+def test_prompt_sources_need_the_target_to_answer(tiny_target, tmp_path):
+    from omegaconf import OmegaConf
+
+    from conf.schema import DataConfig
+    from data.prepare import prepare_data
+
+    d = OmegaConf.structured(DataConfig(source="humaneval", max_records=2, regenerate=False))
+    with pytest.raises(DraftheadsError, match="data.source=humaneval holds prompts only: set data.regenerate=true"):
+        prepare_data(tiny_target, tmp_path / "data", d)
