@@ -55,6 +55,7 @@ class DataConfig:
     features: str = "offline"  # offline: hidden states on disk | online: the target runs in the training step | none
     feature_dtype: str = "bfloat16"  # bfloat16 | int8 (per-token absmax scales; online rounds the same way)
     shard_mb: float = 1024  # a feature shard closes at about this size
+    cache_dir: Optional[str] = None  # share data between runs: CACHE/<hash of these settings>; a multirun shares by default
 
 
 @dataclass
@@ -223,7 +224,7 @@ RULES: dict[str, Callable] = {
     "accelerate.main_process_port": between(1, 65535), "accelerate.timeout_minutes": at_least(1),
 }
 FREE_FORM = {"target.name", "target.path", "target.config", "draft.init_from", "draft.extra", "data.path",
-             "data.regen_server",
+             "data.regen_server", "data.cache_dir",
              "train.wandb_project", "eval.prompts", "eval.categories", "eval.sources",
              "accelerate.main_process_ip", "output_dir", "name"}
 

@@ -26,6 +26,7 @@ import torch
 
 from data.chat import prompt_ids
 from conf.schema import at_least, between, check_args
+from eval.plots import plot_tau_table
 from eval.report import markdown_table, write_report
 from inference.generate import SpecResult, speculative_generate
 from inference.sampling import SamplingConfig
@@ -270,6 +271,10 @@ def main(argv=None) -> int:
     title = (f"Acceptance: {results['source']} on {results['target']['name']}, T={results['temperature']}, "
              f"k={results['k']}, max_new={results['max_new']}")
     out, md_path = write_report(args.out, results, md, title)
+    o = results["overall"]
+    plot_tau_table([{"source": results["source"], "k": results["k"], "T": results["temperature"], "tau": o["tau"],
+                     "acceptance": " ".join("-" if a is None else f"{a:.3f}" for a in o["acceptance"])}],
+                   Path(args.out).with_suffix(".png"), title)
     print(md)
     overall = results["overall"]
     print(json.dumps({"benchmark": "acceptance", "source": results["source"], "temperature": results["temperature"],

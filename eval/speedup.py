@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -85,6 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
     ap.add_argument("--check-lossless", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="also write the JSON here and a speedup-per-category PNG beside it")
     return ap.parse_args(argv)
 
 
@@ -244,6 +246,12 @@ def main(argv=None) -> int:
         print(cat.ljust(14) + "".join(str(row.get(c, "-")).rjust(18) for c in cols))
     if not ok:
         print("error: speculative output differs from plain greedy decoding (not lossless)", file=sys.stderr)
+    if args.out:
+        from eval.plots import plot_speedup
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        plot_speedup(result, Path(args.out).with_suffix(".png"))
     print(json.dumps(result))
     return 0 if ok else 1
 

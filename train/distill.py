@@ -61,28 +61,32 @@ def run(cfg: DictConfig) -> dict:
         print(f"[draftheads] target {target.name}: {target.num_layers} layers, hidden {target.hidden_size}, "
               f"vocab {target.vocab_size}, features from layers {list(target.layer_ids)}; "
               f"{world} process(es) x {threads} thread(s), strategy {cfg.accelerate.strategy}")
-    report = {"data": ready_report(out / "data", data_settings(d, target.fingerprint, cfg.train.seed))}
+    settings = data_settings(d, target.fingerprint, cfg.train.seed)
+    data_dir = data_directory(cfg, out, settings["sha256"], main)
+    report = {"data": ready_report(data_dir, settings)}
     if report["data"] is None:
         if sharded and d.regenerate and d.regen_backend == "runtime":
             raise DraftheadsError("the built-in runtime cannot regenerate with a sharded target; set "
                                   "data.regen_backend=openai (a vLLM / SGLang server at data.regen_server) or prepare "
                                   "the data with accelerate=ddp first")
         target = load()
-        report["data"] = prepare_data(target, out / "data", d, cfg.train.seed,
+        report["data"] = prepare_data(target, data_dir, d, cfg.train.seed,
                                       Workers(accelerator.process_index, world, accelerator.wait_for_everyone))
     elif main:
-        print(f"[draftheads] data: ready in {out / 'data'} (same settings: {report['data']['settings']['sha256']})")
+        print(f"[draftheads] data: ready in {data_dir} (same settings: {report['data']['settings']['sha256']})")
     if main:
         print("[draftheads] data:", json.dumps({k: v for k, v in report["data"].items() if k != "settings"}))
     sources = list(cfg.eval.sources)
-    if cfg.train.stages and d.features != "none":
-        from train.trainer import train_draft
+    from train.trainer import open_wandb, train_draft
 
+    wandb_run = open_wandb(cfg, out) if cfg.train.wandb and main else None
+    if cfg.train.stages and d.features != "none":
         if d.features == "online" or "rl" in cfg.train.stages:  # the target runs in the step
             target = target if target.parts == "all" else load()
         elif target.parts == "all":
             target = load("head_inputs")  # offline: free the decoder layers before training
-        report["head"] = str(train_draft(cfg, target, out / "data" / "features", out, accelerator=accelerator))
+        report["head"] = str(train_draft(cfg, target, data_dir / "features", out, accelerator=accelerator,
+                                         wandb_run=wandb_run))
         sources.append(f"head:{report['head']}")
         if cfg.eval.head_tree and read_draft_config(report["head"])["family"] in TREE_FAMILIES:
             sources.append(f"head:{report['head']},tree=1")
@@ -95,9 +99,41 @@ def run(cfg: DictConfig) -> dict:
                 report["eval"] = evaluate(cfg, sources, out / "eval", target if target.parts == "all" else
                                           load(shard=False))
         (out / "run_report.json").write_text(json.dumps(report, indent=1))
+        if wandb_run is not None:  # the sweep's metric, logged before the run closes
+            log_tau(wandb_run, report.get("eval", []))
+            wandb_run.finish()
         print(f"[draftheads] outputs in {out}/")
     accelerator.wait_for_everyone()
     return report
+
+
+def data_directory(cfg, out: Path, settings_sha: str, main: bool) -> Path:
+    """Where this run's data lives: out/data, or, when runs share data (data.cache_dir, or the points of a Hydra
+    multirun by default), CACHE/<hash of the data settings> with out/data linking to it: runs that differ only in
+    training settings regenerate and extract once."""
+    cache = cfg.data.cache_dir
+    if cache is None and multirun():
+        from hydra.core.hydra_config import HydraConfig
+
+        cache = str(Path(HydraConfig.get().sweep.dir) / "data")
+    if cache is None:
+        return out / "data"
+    shared = Path(cache).resolve() / settings_sha
+    link = out / "data"
+    if main:
+        shared.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() and link.resolve() != shared:
+            link.unlink()
+        if not link.exists():
+            link.symlink_to(shared, target_is_directory=True)
+    return shared
+
+
+def multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def check_writable(out: Path) -> None:
@@ -111,6 +147,17 @@ def check_writable(out: Path) -> None:
         raise DraftheadsError(f"output_dir '{out}' is not writable ({e.strerror}); pick another output_dir") from None
 
 
+def log_tau(wandb_run, rows: list[dict]) -> None:
+    """τ of every row of the table into the W&B summary (tau/<source>_k<K>_T<T>), and `tau`: the trained head's at
+    the first K and temperature, the number a temperature sweep ranks by."""
+    for row in rows:
+        wandb_run.summary[f"tau/{row['source']}_k{row['k']}_T{row['T']:g}"] = row["tau"]
+    head = [row for row in rows if row["source"] == "head"]
+    if head:
+        wandb_run.summary["tau"] = head[0]["tau"]
+        wandb_run.log({"tau": head[0]["tau"]})
+
+
 def source_label(spec: str) -> str:
     """'head:DIR,tree=1' -> 'head[tree=1]': the source's name and options, without its path."""
     name, _, arg = spec.partition(":")
@@ -122,6 +169,7 @@ def evaluate(cfg: DictConfig, sources: list[str], out: Path, target) -> list[dic
     """τ of every source at every K and temperature on the eval prompts (never trained on), with the target already
     loaded (one load for every row); one table."""
     from eval import acceptance
+    from eval.plots import plot_tau_table
     from eval.report import markdown_table, write_report
 
     rows = []
@@ -146,6 +194,7 @@ def evaluate(cfg: DictConfig, sources: list[str], out: Path, target) -> list[dic
                              "acceptance": " ".join("-" if a is None else f"{a:.2f}" for a in o["acceptance"])})
     md = markdown_table(rows, ["source", "k", "T", "tau", "mean_draft_len", "draft_ms", "verify_ms", "acceptance"])
     (out / "summary.md").write_text(md + "\n")
+    plot_tau_table(rows, out / "summary.png", f"{cfg.target.name} on {cfg.eval.prompts} ({cfg.eval.categories})")
     print(f"\n[draftheads] tau on {cfg.eval.prompts} ({cfg.eval.categories}, limit {cfg.eval.limit}, "
           f"max_new {cfg.eval.max_new}):\n{md}")
     return rows
@@ -153,9 +202,16 @@ def evaluate(cfg: DictConfig, sources: list[str], out: Path, target) -> list[dic
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     from train.distributed import relaunch
 
     try:
+        named_out = any(o.split("=")[0].lstrip("+") == "output_dir" for o in HydraConfig.get().overrides.task)
+        if multirun() and not named_out:
+            cfg.output_dir = HydraConfig.get().runtime.output_dir  # each point of a sweep in its own directory
+        elif os.environ.get("WANDB_SWEEP_ID") and not named_out:  # a W&B agent's run: one directory per run
+            cfg.output_dir = f"outputs/sweeps/{os.environ['WANDB_SWEEP_ID']}/{os.environ.get('WANDB_RUN_ID', 'run')}"
         check_config(cfg)
         if cfg.runtime.device == "cuda" and not torch.cuda.is_available():
             raise DraftheadsError("runtime.device=cuda but this machine has no CUDA device; use runtime=cpu")
@@ -164,8 +220,6 @@ def main(cfg: DictConfig) -> None:
 
             print_plan(cfg)
             return
-        from hydra.core.hydra_config import HydraConfig
-
         # more than one process asked for: exec torchrun over these arguments, the workers in this run's Hydra dir
         check_writable(Path(cfg.output_dir))
         relaunch(cfg.accelerate, sys.argv[1:], HydraConfig.get().runtime.output_dir, cfg.runtime.device)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -245,7 +244,8 @@ def _chunk_loss(core, hidden, depth, tgt, labels, w, tc, temperature, ref=None):
 # ---------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------
-def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None, accelerator=None) -> Path:
+def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None, accelerator=None,
+                wandb_run=None) -> Path:
     """Run cfg.train.stages; the final head is written (main process) with models/checkpoint.py to out_dir/head.
     Every stage starts from a head on disk (draft.init_from, or the previous stage's) and ends by writing one, so a
     rerun resumes where the last one stopped and a stage is the same code for 1 or N processes."""
@@ -267,7 +267,8 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     dataset, holdout = split_holdout(everything, tc.holdout_sequences)
     resolved = OmegaConf.to_yaml(cfg, resolve=True) if OmegaConf.is_config(cfg) else None
     torch.manual_seed(tc.seed)  # every rank builds the same fresh head
-    log = RunLog(out / "metrics.jsonl", main, _wandb(cfg, out) if tc.wandb and main else None)
+    own_wandb = wandb_run is None and tc.wandb and main  # train.distill passes its run (it logs τ after training)
+    log = RunLog(out / "metrics.jsonl", main, open_wandb(cfg, out) if own_wandb else wandb_run)
     start, metrics = dc.init_from, {}
 
     data_id = data_identity(everything)
@@ -312,7 +313,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
         if main:
             save_draft(head, out / "head", target, resolved, metrics or _read_metrics(start))
         accelerator.wait_for_everyone()
-    if log.wandb_run is not None:
+    if own_wandb:
         log.wandb_run.finish()
     return out / "head"
 
@@ -388,13 +389,14 @@ def _trainable(head, tc):
     return head
 
 
-def _wandb(cfg, out: Path):
+def open_wandb(cfg, out: Path):
+    """The run's W&B run (main process only), in WANDB_MODE as the user set it (offline: sync later with `wandb
+    sync`); its directory is under the run's output directory."""
     try:
         import wandb
     except ImportError:
         raise DraftheadsError("train.wandb=true needs the wandb package: `pip install wandb` "
                               "(or set train.wandb=false; metrics.jsonl is always written)") from None
-    os.environ.setdefault("WANDB_MODE", "offline")  # no network here: sync later with `wandb sync`
     from omegaconf import OmegaConf
 
     return wandb.init(project=cfg.train.wandb_project, name=str(cfg.get("name", "draft")), dir=str(out),
