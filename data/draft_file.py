@@ -41,7 +41,7 @@ M64 = (1 << 64) - 1
 C1, C2, C3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 SEED = 0x2545F4914F6CDD1D
 U64 = np.uint64
-KEYS_PER_BUCKET = 4  # average keys per bucket of the lookup index
+KEYS_PER_BUCKET = 2  # average keys per bucket of the lookup index (its size: 4 / KEYS_PER_BUCKET bytes a key)
 SECTIONS = ("keys", "key_orders", "key_totals", "key_offsets", "entry_tokens", "entry_counts",
             "corpus_tokens", "doc_offsets", "val_tokens", "val_offsets")
 
@@ -54,8 +54,10 @@ def hash_step(h, t):
     if isinstance(h, int):
         h = ((h ^ (t + 1)) * C1) & M64
         return h ^ (h >> 31)
-    h = (h ^ (t.astype(U64) + U64(1))) * U64(C1)
-    return h ^ (h >> U64(31))
+    h = h ^ np.add(t, U64(1), dtype=U64, casting="unsafe")  # in-place below: small batches pay per numpy call
+    h *= U64(C1)
+    h ^= h >> U64(31)
+    return h
 
 
 def hash_finish(h, k):
@@ -67,26 +69,29 @@ def hash_finish(h, k):
         z = ((z ^ (z >> 27)) * C3) & M64
         return z ^ (z >> 31)
     z = h ^ (np.asarray(k, dtype=U64) << U64(56))
-    z = (z ^ (z >> U64(30))) * U64(C2)
-    z = (z ^ (z >> U64(27))) * U64(C3)
-    return z ^ (z >> U64(31))
+    z ^= z >> U64(30)
+    z *= U64(C2)
+    z ^= z >> U64(27)
+    z *= U64(C3)
+    z ^= z >> U64(31)
+    return z
 
 
 def context_keys(context: np.ndarray, orders: tuple[int, ...]) -> np.ndarray:
     """Keys [B, len(orders)] of contexts [B, W] (newest token last; -1 = missing, left side); 0 where too short."""
     context = np.asarray(context, dtype=np.int64)
-    B, W = context.shape
     n = max(orders)
-    newest_first = np.full((B, n), -1, np.int64)
-    newest_first[:, :min(n, W)] = context[:, ::-1][:, :n]
-    valid = np.logical_and.accumulate(newest_first >= 0, axis=1)  # [B, n]: the last j+1 tokens are all there
-    t = np.maximum(newest_first, 0)
-    steps = np.empty((B, n), U64)  # steps[:, j] = hash after absorbing the newest j+1 tokens
-    h = np.full(B, SEED, dtype=U64)
+    if context.shape[1] < n:
+        context = np.concatenate([np.full((len(context), n - context.shape[1]), -1), context], axis=1)
+    newest_first = context[:, :-n - 1:-1]  # [B, n]
+    steps = np.empty((n, len(context)), U64)  # steps[j] = hash after absorbing the newest j+1 tokens
+    h = np.full(len(context), SEED, dtype=U64)
     for j in range(n):
-        h = steps[:, j] = hash_step(h, t[:, j])
+        h = steps[j] = hash_step(h, newest_first[:, j])
     at = np.array(orders) - 1
-    return np.where(valid[:, at], hash_finish(steps[:, at], np.array(orders)), U64(0))
+    keys = hash_finish(steps[at], at[:, None] + 1)  # [n_orders, B]
+    keys *= np.logical_and.accumulate(newest_first >= 0, axis=1)[:, at].T  # 0 where a token is missing
+    return keys.T
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -153,6 +158,7 @@ class DraftFile:
         self.max_len = self.header["max_len"]
         self.pad = int(np.iinfo(np.dtype(self.header["token_dtype"])).max)
         self._orders_desc_k = sorted(self.orders, reverse=True)
+        self._orders_array = np.array(self.orders)
         self._per_key = (_as_ints(self.key_offsets), _as_ints(self.key_orders), _as_ints(self.key_totals))
         self._pad_table = None  # 16-bit tokens: int64 value of every token, PAD -> -1
         if self.entry_tokens.dtype.itemsize == 2:
@@ -185,14 +191,15 @@ class DraftFile:
 
     # -- lookup -------------------------------------------------------------------------------
     # A binary search over the whole key array costs one cache (and TLB) miss per step. The bucket index
-    # (built on the first lookup, ~1 byte a key) maps a key's top bits to the few keys that share them, so a
-    # lookup reads one bucket: keys are uniform hashes, KEYS_PER_BUCKET on average.
+    # (built on the first lookup) maps a key's top bits to the few keys that share them, so a lookup reads one
+    # bucket: keys are uniform hashes, KEYS_PER_BUCKET on average.
     def _index(self) -> None:
         bits = max(1, math.ceil(math.log2(max(1, self.n_keys) / KEYS_PER_BUCKET)))
         self._shift = 64 - bits
         per = np.bincount((self.keys >> U64(self._shift)).astype(np.intp), minlength=1 << bits)
-        self._bucket = np.r_[0, np.cumsum(per)].astype(np.int64)  # keys of bucket b: [bucket[b], bucket[b+1])
-        self._bucket_max = max(1, int(per.max()))
+        self._bucket = np.r_[0, np.cumsum(per)].astype(np.uint32 if self.n_keys < 2**32 else np.int64)  # keys of
+        # bucket b: [bucket[b], bucket[b+1])
+        self._window = np.arange(max(1, int(per.max())))  # offsets into a bucket, up to the widest
         self._find_one = (_as_ints(self._bucket), _as_ints(self.keys))
 
     def _find(self, key: int) -> int:
@@ -241,19 +248,25 @@ class DraftFile:
         if self._find_one is None:
             self._index()
         keys = context_keys(context, self.orders)  # [B, n_orders], 0 = context too short
+        B = len(keys)
         flat = keys.ravel()
         lo = self._bucket[(flat >> U64(self._shift)).astype(np.intp)]
-        # the widest bucket from each query's first: a key equal to the query can only sit in its own bucket
-        window = lo[:, None] + np.arange(self._bucket_max)  # [B * n_orders, widest bucket]
-        hit = self.keys[np.minimum(window, max(self.n_keys - 1, 0))] == flat[:, None] if self.n_keys else window < 0
-        found = hit.any(1).reshape(keys.shape) & (keys != 0)  # [B, n_orders]
-        at = (lo + hit.argmax(1)).reshape(keys.shape)
-        longest = np.where(found.any(1), len(self.orders) - 1 - np.argmax(found[:, ::-1], axis=1), -1)
-        idx = np.where(longest >= 0, at[np.arange(len(keys)), longest], -1)
-        order = np.where(longest >= 0, np.array(self.orders)[longest], 0)
-        hot = np.zeros(len(keys), bool)
-        if self._hot is not None and (idx >= 0).any():
-            rows = np.flatnonzero(idx >= 0)  # the hot table holds a subset of the keys: answer from it where it can
+        # the widest bucket from each query's first key: a key equal to the query can only sit in its own bucket
+        window = lo[:, None] + self._window  # [B * n_orders, widest bucket]
+        np.minimum(window, self.n_keys - 1, out=window)
+        hit = self.keys[window] == flat[:, None] if self.n_keys else np.zeros(window.shape, bool)
+        found = hit.any(1).reshape(B, -1) & (keys != 0)  # [B, n_orders]
+        from_longest = found[:, ::-1].argmax(1)  # 0 where nothing matched: checked below
+        longest = len(self.orders) - 1 - from_longest
+        rows = np.arange(B)
+        idx = lo.reshape(B, -1)[rows, longest] + hit.argmax(1).reshape(B, -1)[rows, longest]
+        miss = ~found[rows, longest]
+        idx[miss] = -1
+        order = self._orders_array[longest]
+        order[miss] = 0
+        hot = np.zeros(B, bool)
+        if self._hot is not None and not miss.all():
+            rows = np.flatnonzero(~miss)  # the hot table holds a subset of the keys: answer from it where it can
             hot_at, hot_hit = self._hot_search(keys[rows, longest[rows]])
             idx[rows[hot_hit]], hot[rows[hot_hit]] = hot_at[hot_hit], True
         return idx, order, hot
@@ -274,10 +287,13 @@ class DraftFile:
             offsets, ent_tokens, ent_counts = table["offsets"], table["tokens"], table["counts"]
             k = idx[rows]
             start = _np(offsets[k])
-            missing = np.arange(m) >= (_np(offsets[k + 1]) - start)[:, None]  # [R, m] past the key's entries
-            e = np.minimum(start[:, None] + np.arange(m), len(ent_tokens) - 1)
-            got_tokens = _np(ent_tokens[e]) if table is self._hot else self._signed_tokens(ent_tokens[e])
-            got_counts = _np(ent_counts[e])
+            e = start[:, None] + np.arange(m)
+            missing = e >= _np(offsets[k + 1])[:, None]  # [R, m] past the key's entries
+            np.minimum(e, len(ent_tokens) - 1, out=e)
+            if table is self._hot:
+                got_tokens, got_counts = _np(ent_tokens[e]), _np(ent_counts[e])
+            else:
+                got_tokens, got_counts = self._signed_tokens(take_rows(ent_tokens, e)), take_rows(ent_counts, e).astype(np.int64)
             got_tokens[missing], got_counts[missing] = -1, 0
             tokens[rows], counts[rows], totals[rows] = got_tokens, got_counts, _np(table["totals"][k])
         if self._hot is not None:
@@ -325,6 +341,16 @@ class DraftFile:
         idx, _, hot = self.find_keys(context)
         hits = idx >= 0
         return {"hit_rate": float(hits.mean()), "hot_share_of_hits": float(hot[hits].mean()) if hits.any() else 0.0}
+
+
+def take_rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """a[idx] for a 2-d array [N, L] (1-d: plain a[idx]), idx of any shape. A row moves as one void item:
+    numpy's 2-d fancy index copies element by element, several times slower."""
+    if a.ndim == 1:
+        return a[idx]
+    a = np.ascontiguousarray(a)
+    rows = a.view(f"V{a.shape[1] * a.itemsize}").reshape(len(a))
+    return rows[idx].view(a.dtype).reshape(*np.shape(idx), a.shape[1])
 
 
 def _as_ints(a: np.ndarray):

@@ -43,19 +43,31 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from data.draft_file import U64, VERSION, DraftFile, context_keys, token_dtype, write_file
-from data.draft_file_count import (ENTRY_FIELDS, WindowSpec, count_sorted, join_pieces, select_keys, sort_windows,
-                                   take_rows)
+from data.draft_file import U64, VERSION, DraftFile, context_keys, take_rows, token_dtype, write_file
+from data.draft_file_count import ENTRY_FIELDS, WindowSpec, count_sorted, join_pieces, select_keys, sort_windows
 from models.errors import DraftheadsError
 
 THRESHOLDS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 FINE_WINDOWS = 1 << 18  # windows sorted at once: the sort and the count slow down once they leave the cache
-GROUP_BYTES_PER_WINDOW = 128  # a worker's memory per window of its group: positions, ids, the group's entries
-MERGE_BYTES_PER_ENTRY = 96  # memory per entry while runs are merged: the entry, its key, the merge order
+# Memory model (what --memory-mb bounds). A group's worker holds its spilled windows (16 B each with the sort
+# order) and, twice while sorting them by key, the group's count: at most ~1 key and 1.5 entries per window
+# (min-count 1; far fewer above). The merge holds a chunk of entries twice (gathered, then reordered).
+def _group_bytes_per_window(spec: WindowSpec) -> int:
+    return 16 + 2 * (17 + 3 * _entry_bytes(spec) // 2)
+
+
+def _merge_bytes_per_entry(spec: WindowSpec) -> int:
+    return 2 * (_entry_bytes(spec) + 17) + 24
+
+
+def _entry_bytes(spec: WindowSpec) -> int:  # tokens and prefix counts of one entry, and its rank tie-breaker
+    return spec.max_len * (spec.tdt.itemsize + 4) + 4
+
+
 MAX_GROUPS = 512  # spill files open at once
 RUN_BUCKET_BITS = 12  # a run's keys are indexed by their top bits, so a merge step reads a bucket range
 BATCH_CHARS = 1 << 22  # characters per tokenizer batch
-STREAM_CHUNK = 1 << 24  # tokens per step when scanning the token stream
+STREAM_CHUNK = 1 << 22  # tokens per step when scanning the token stream
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,13 +179,15 @@ class _Counter:
         self.stream = np.memmap(docs.path.with_suffix(".stream"), dtype=spec.tdt.newbyteorder(">"), mode="r")
         # element s packs tokens s.. of the stream into one big-endian uint64 (strides of one token)
         self.view = np.ndarray((len(self.stream) - spec.per_word + 1,), ">u8", self.stream, strides=(spec.tdt.itemsize,))
-        # a spilled window: its start and its partition within the group
-        self.rec_dtype = np.dtype([("pos", "<u4" if len(self.stream) < 2**32 else "<u8"), ("part", "<u2")])
+        if len(self.stream) >= 1 << 40:
+            raise DraftheadsError(f"draft file build: {len(self.stream):,} tokens are more than one build takes "
+                                  "(2^40); split the corpus and merge")
         self.windows = int(self.first.sum())
-        capacity = max(1, memory_bytes // threads // GROUP_BYTES_PER_WINDOW)  # windows one worker holds
+        capacity = max(1, memory_bytes // threads // _group_bytes_per_window(spec))  # windows one worker holds
         self.fine = min(FINE_WINDOWS, capacity)
         self._plan(max(capacity, -(-self.windows // MAX_GROUPS)))
         spread = np.flatnonzero(self.pieces > 1)
+        self.spread = len(spread) > 0
         self.spread_totals = {}  # order-1 key of each spread first token -> its occurrences
         if 1 in spec.orders and len(spread):
             keys = context_keys(spread[:, None], (1,))[:, 0]
@@ -210,15 +224,19 @@ class _Counter:
         self.n_groups = g + 1
 
     def _part_of(self, first: np.ndarray, second: np.ndarray) -> np.ndarray:
-        spread = ((second.astype(U64) * U64(0x9E3779B97F4A7C15)) >> U64(40)).astype(np.int64)  # 24 bits
-        return self.base[first] + ((spread * self.pieces[first]) >> 24)  # in [0, pieces): no division
+        part = self.base[first]
+        at = np.flatnonzero(self.pieces[first] > 1) if self.spread else first[:0]
+        if len(at):  # a spread first token: its second token's hash picks the piece
+            spread = ((second[at].astype(U64) * U64(0x9E3779B97F4A7C15)) >> U64(40)).astype(np.int64)  # 24 bits
+            part[at] += (spread * self.pieces[first[at]]) >> 24  # in [0, pieces): no division
+        return part
 
     def _path(self, g: int, what: str) -> Path:
         return self.tmp / f"group{g:04d}.{what}"
 
     def spill(self) -> None:
-        """Window starts (positions followed by a token of their document) to their group's file, in order, with
-        their partition within the group."""
+        """Window starts (positions followed by a token of their document) to their group's file, in order, each
+        as one uint64: its partition within the group << 40 | its position."""
         files = [open(self._path(g, "pos"), "wb") for g in range(self.n_groups)]
         n, pad = len(self.stream), self.spec.pad
         first_part = np.searchsorted(self.group_of, np.arange(self.n_groups))  # a group's first partition
@@ -226,16 +244,13 @@ class _Counter:
             chunk = self.stream[a: a + STREAM_CHUNK + 1].astype(self.spec.tdt)
             s = np.flatnonzero((chunk[:-1] != pad) & (chunk[1:] != pad))
             part = self._part_of(chunk[s].astype(np.intp), chunk[s + 1])
-            rec = np.empty(len(s), self.rec_dtype)
-            rec["pos"] = s + a
+            group = self.group_of[part]
+            rec = ((part - first_part[group]) << 40 | (s + a)).astype(U64)
             if self.n_groups == 1:
-                rec["part"] = part
                 rec.tofile(files[0])
                 continue
-            group = self.group_of[part]
-            rec["part"] = part - first_part[group]
             order = np.argsort(group.astype(np.uint16), kind="stable")
-            bounds = np.searchsorted(group[order], np.arange(self.n_groups + 1))
+            bounds = np.r_[0, np.cumsum(np.bincount(group, minlength=self.n_groups))]
             rec = rec[order]
             for g in np.flatnonzero(np.diff(bounds)):
                 rec[bounds[g]: bounds[g + 1]].tofile(files[g])
@@ -268,13 +283,15 @@ class _Counter:
         return runs
 
     def _count_group(self, g: int, min_count: int, entries: bool, validation, sorted_io) -> dict:
-        rec = np.fromfile(self._path(g, "pos"), dtype=self.rec_dtype)
+        rec = np.fromfile(self._path(g, "pos"), dtype=U64)
         if sorted_io == "load":
             parts = _load_sorted(self._path(g, "sorted"), self.spec)
         else:
-            order = np.argsort(rec["part"], kind="stable")  # positions stay ascending in a partition: near-sequential reads
-            cuts = np.flatnonzero(np.diff(rec["part"][order])) + 1
-            parts = (sort_windows(self.view, rec["pos"][chunk], self.spec) for chunk in np.split(order, cuts))
+            part = (rec >> U64(40)).astype(np.uint16)
+            order = np.argsort(part, kind="stable")  # positions stay ascending in a partition: near-sequential reads
+            pos = (rec & U64((1 << 40) - 1)).astype(np.int64)
+            cuts = np.flatnonzero(np.diff(part[order])) + 1
+            parts = (sort_windows(self.view, pos[chunk], self.spec) for chunk in np.split(order, cuts))
         saved = open(self._path(g, "sorted"), "wb") if sorted_io == "save" else None
         outs = []
         for words, lcp in parts:
@@ -286,6 +303,7 @@ class _Counter:
         if saved is not None:
             saved.close()
         out = {name: np.concatenate([o[name] for o in outs]) for name in outs[0]} if outs else None
+        del outs
         if out is None:
             return {"windows": 0, "run": None, "pieces": None, "stats": None}
         spread = np.zeros(len(out["keys"]), bool)
@@ -294,17 +312,15 @@ class _Counter:
         pieces = select_keys(out, spread) if spread.any() else None
         out = select_keys(out, ~spread) if pieces is not None else out
         run = None
-        if entries:
-            run = _sorted_run(out)
-            del run["second"]
-            run = _save_run(run, self._path(g, "run"))
+        if entries:  # the rank tie-breaker is only needed to join pieces
+            run = _save_run(_sorted_run({k: v for k, v in out.items() if k != "second"}), self._path(g, "run"))
         return {"windows": len(rec), "run": run, "pieces": pieces,
                 "stats": validation.measure(out) if validation is not None else None}
 
     def merged(self, runs: list[dict]) -> Iterator[dict]:
         """All runs' keys in key order, a range of buckets at a time (as much as the memory budget holds)."""
         per_bucket = sum(np.diff(r["entry_bounds"]) for r in runs)
-        limit = max(1, self.memory // MERGE_BYTES_PER_ENTRY)
+        limit = max(1, self.memory // _merge_bytes_per_entry(self.spec))
         b0 = 0
         while b0 < len(per_bucket):
             b1 = b0 + max(1, int(np.searchsorted(np.cumsum(per_bucket[b0:]), limit, side="right")))

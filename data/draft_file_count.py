@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.draft_file import SEED, U64, hash_finish, hash_step
+from data.draft_file import SEED, U64, hash_finish, hash_step, take_rows
 
 ENTRY_FIELDS = ("tokens", "counts", "second")  # per-entry arrays of a count; the rest are per key
 
@@ -135,14 +135,12 @@ def count_sorted(words, lcp, spec: WindowSpec, min_count: int, entries: bool = T
 
 def _count_order(words, lcp, shared, k: int, spec: WindowSpec, min_count: int, entries: bool) -> dict:
     L, m = spec.max_len, spec.continuations
-    v = np.flatnonzero(token_at(words, k, spec) != spec.pad)  # rows with k context tokens and a next one
-    lv = lcp[v].astype(np.int16)  # a row whose previous row is not in v has lcp < k (it sorts after that row)
-    key_start = np.flatnonzero(lv < k)
-    totals = np.diff(np.r_[key_start, len(v)])
-    depth = (np.full(len(v), L, np.int16) if shared is None
-             else np.clip(shared[v].astype(np.int16) - k, 0, L))  # kept continuation tokens per row (monotone)
-    live = np.flatnonzero(depth > 0)  # rows inside a kept first-level prefix; the rest make no entry
-    lv, depth = lv[live], depth[live]
+    valid = token_at(words, k, spec) != spec.pad  # rows with k context tokens and a next one
+    groups = np.flatnonzero(lcp < k)  # first row of each context; its invalid rows (PAD at k) sort last in it
+    # rows inside a kept first-level prefix (the rest make no entry), their lcp and kept continuation tokens
+    live = np.flatnonzero(valid & (shared > k) if shared is not None else valid)
+    lv = lcp[live].astype(np.int16)  # a live row after a row that is not: lcp < k + 1, a new node at every level
+    depth = np.full(len(live), L, np.int16) if shared is None else np.minimum(shared[live].astype(np.int16) - k, L)
     # A leaf is a kept node no kept node extends: all its rows have the node's depth. Cut the rows where the
     # depth changes or a row starts its own deepest node; a piece that starts a node and is followed by a
     # row outside that node is a whole node of equal depths, i.e. a leaf. Its first row represents it.
@@ -151,7 +149,7 @@ def _count_order(words, lcp, shared, k: int, spec: WindowSpec, min_count: int, e
     closed = np.r_[lv[piece[1:]] < k + depth[piece[:-1]], True]
     pos = piece[node_start[piece] & closed]  # leaf rows (indices into live), in token order
     ldepth = depth[pos]
-    key = np.searchsorted(key_start, live[pos], side="right") - 1
+    key = np.cumsum(lcp < k, dtype=np.int32)[live[pos]] - 1  # index of the leaf's context in groups
 
     def prefix_count(j: int, at: np.ndarray) -> np.ndarray:  # occurrences of the first j tokens of rows `at`
         new_node = lv < k + j
@@ -159,26 +157,34 @@ def _count_order(words, lcp, shared, k: int, spec: WindowSpec, min_count: int, e
         return sizes[np.cumsum(new_node, dtype=np.int32)[at] - 1]
 
     pc1 = prefix_count(1, pos)
-    second = prefix_count(2, pos) if L > 1 else np.zeros(len(pos), np.int64)
+    second = prefix_count(2, pos) if L > 1 else np.zeros(len(pos), np.int64)  # kept or not: the rank's
     kept, first_leaf = rank_leaves(key, pc1, second, m)
     pos, ldepth, key, pc1, second = (a[kept] for a in (pos, ldepth, key, pc1, second))
     heads = key[first_leaf]
-    head_rows = v[key_start[heads]]
+    head_rows = groups[heads]
+    valid_before = np.r_[0, np.cumsum(valid, dtype=np.int64)]
+    totals = valid_before[np.r_[groups, len(valid)][heads + 1]] - valid_before[head_rows]  # the context's records
+    head_words = [w[head_rows] for w in words]
     h = np.full(len(heads), SEED, dtype=U64)
     for j in range(k):  # backward over the context, newest token first, as data.draft_file.context_keys
-        h = hash_step(h, token_at(words, k - 1 - j, spec, head_rows))
-    rows = v[live[pos]]
+        h = hash_step(h, token_at(head_words, k - 1 - j, spec))
     width = L if entries else 1
-    counts = np.zeros((len(pos), width), np.uint32)
-    tokens = np.full((len(pos), width), spec.pad, spec.tdt)
-    for j in range(width):
-        inside = ldepth > j
-        counts[:, j] = np.where(inside, pc1 if j == 0 else second if j == 1 else prefix_count(j + 1, pos), 0)
-        tokens[:, j] = np.where(inside, token_at(words, k + j, spec, rows), spec.pad)
+    counts = np.zeros((len(pos), width), np.int64)
+    counts[:, 0] = pc1
+    if width > 1:
+        counts[:, 1] = second
+    for j in range(3, width + 1):
+        at = np.flatnonzero(ldepth >= j)
+        counts[at, j - 1] = prefix_count(j, pos[at])
+    leaf_words = [w[live[pos]] for w in words]
+    tokens = np.stack([token_at(leaf_words, k + j, spec) for j in range(width)], axis=1) if len(pos) else \
+        np.zeros((0, width), np.int64)
+    outside = np.arange(width) >= ldepth[:, None]  # past the leaf's kept prefix
+    counts[outside], tokens[outside] = 0, spec.pad
     return {"keys": hash_finish(h, k), "orders": np.full(len(heads), k, np.uint8),
-            "totals": totals[heads].astype(np.uint32),
+            "totals": totals.astype(np.uint32),
             "n_entries": np.diff(np.r_[np.flatnonzero(first_leaf), len(key)]).astype(np.uint32),
-            "tokens": tokens, "counts": counts, "second": second.astype(np.uint32)}
+            "tokens": tokens.astype(spec.tdt), "counts": counts.astype(np.uint32), "second": second.astype(np.uint32)}
 
 
 def rank_leaves(key: np.ndarray, pc1: np.ndarray, second: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -192,20 +198,15 @@ def rank_leaves(key: np.ndarray, pc1: np.ndarray, second: np.ndarray, m: int) ->
     order = np.arange(n)
     multi = np.flatnonzero(np.repeat(n_leaves > 1, n_leaves))  # only keys with several leaves need sorting
     if len(multi):
-        top = np.iinfo(np.int64).max >> 32  # counts < 2^31: (-pc1, -second) packed into one sort key
-        packed = ((top - pc1[multi].astype(np.int64)) << 32) | (top - second[multi].astype(np.int64))
-        order[multi] = multi[np.lexsort((packed, key[multi]))]
+        seg = np.cumsum(first)[multi].astype(np.int64)  # dense key ids, ascending
+        worse1, worse2 = -pc1[multi].astype(np.int64), -second[multi].astype(np.int64)
+        span = int(max(pc1[multi].max(), second[multi].max())) + 1
+        if int(seg[-1]) * span * span < 2**62:  # one int64 sort key: (key, -pc1, -second)
+            order[multi] = multi[np.argsort((seg * span + worse1 + span) * span + worse2 + span, kind="stable")]
+        else:
+            order[multi] = multi[np.lexsort((worse2, worse1, seg))]
     keep = np.arange(n) - starts[np.cumsum(first) - 1] < m if n else first
     return order[keep], first[keep]
-
-
-def take_rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """a[idx] along the first axis. A 2-d row moves as one void item: numpy's 2-d fancy index copies element by
-    element, several times slower."""
-    if a.ndim == 1:
-        return a[idx]
-    a = np.ascontiguousarray(a)
-    return np.take(a.view(f"V{a.shape[1] * a.itemsize}").ravel(), idx).view(a.dtype).reshape(len(idx), a.shape[1])
 
 
 def select_keys(out: dict, mask: np.ndarray) -> dict:

@@ -1,9 +1,13 @@
-"""Draft-file benchmark: build throughput and memory, file size, coverage, lookup latency, hot/cold hit rates, tau.
+"""Draft-file benchmark: build throughput and memory at several corpus sizes with the 1B-token extrapolation,
+file size, coverage, lookup latency (single and batched), hot/cold hit rates, tau.
 
-    # build + lookup on >= 20M tokens (Python stdlib .py files + ShareGPT chats), a few minutes on 2 cores:
-    python -m eval.draft_file_bench --out outputs/draft_file/big.dfl --sharegpt-records 12000 --coverage 0.2
-    # a small slice while developing:
-    python -m eval.draft_file_bench --out outputs/draft_file/small.dfl --stdlib-max-files 200 --sharegpt-records 500
+    # the measurement, on 2 idle cores (~15-25 min): builds at ~25M, ~50M and ~100M tokens of Python sources and
+    # ShareGPT chats, then lookups and hot/cold on the largest file
+    RAYON_NUM_THREADS=2 python -m eval.draft_file_bench --out outputs/draft_file/big.dfl \
+        --tokens 25e6,50e6,100e6 --threads 2 --coverage 0.2 2>&1 | tee outputs/draft_file/bench_2core.log
+    # per core, while developing (the tokenizer's pool, numpy and the workers on one CPU):
+    RAYON_NUM_THREADS=1 OMP_NUM_THREADS=1 taskset -c 1 python -m eval.draft_file_bench \
+        --out outputs/draft_file/dev.dfl --tokens 25e6 --threads 1 --coverage 0.2
     # tau on HumanEval (code) and MT-bench (chat), K = 4 and 8, prompt lookup alone vs file + prompt lookup:
     python -m eval.draft_file_bench --tau-only --out outputs/draft_file/big.dfl --tau-limit 8 --max-new 64
     # or through eval.acceptance ("draft_file" is registered in inference/sources/__init__.py; the bench
@@ -11,14 +15,18 @@
     python -m eval.acceptance --prompts outputs/draft_file/humaneval.jsonl --source draft_file:outputs/draft_file/big.dfl \
         --k 4 --max-new 64 --out outputs/acc/dfl_he_k4.json
 
-The corpora are written to one JSONL of {"text": ...} (stdlib, without site-packages and tests) plus a JSONL
-slice of ShareGPT records (rendered with the chat template by data.readers.iter_documents), so the slice
-size is explicit. Prints progress, then ONE JSON line last.
+The corpus: every .py file of the Python stdlib and of site-packages (this venv's and the interpreter's,
+identical files once), HumanEval problems with their solutions and tests, and the packaged ShareGPT records
+(rendered with the chat template by data.readers.iter_documents), in one JSONL shuffled by content hash so
+every prefix has the same mix. A size N is the prefix of ~N tokens (chars per token measured on a sample).
+The 1B-token time and size are extrapolated from the sizes measured (a line through them, and a power law).
+Prints progress, then ONE JSON line last.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import resource
 import sys
@@ -30,9 +38,9 @@ import numpy as np
 import torch
 
 from data.draft_file import DraftFile
-from data.draft_file_build import build, load_tokenizer, stats
+from data.draft_file_build import _encoder, build, load_tokenizer, stats
 
-STDLIB = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")
+STDLIB = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")  # its site-packages included
 
 
 def rss_mb() -> float:
@@ -40,8 +48,13 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def anon_mb() -> float:
+    """RssAnon: private memory, not file pages the kernel can drop (MB)."""
+    return next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+
+
 class AnonPeak(threading.Thread):
-    """Samples RssAnon (private memory, not file pages the kernel can drop) every 50 ms; .peak_mb."""
+    """Samples RssAnon every 50 ms; .peak_mb."""
 
     def __init__(self):
         super().__init__(daemon=True)
@@ -49,36 +62,60 @@ class AnonPeak(threading.Thread):
 
     def run(self):
         while self.running:
-            for line in open("/proc/self/status"):
-                if line.startswith("RssAnon:"):
-                    self.peak_mb = max(self.peak_mb, int(line.split()[1]) / 1024)
+            self.peak_mb = max(self.peak_mb, anon_mb())
             time.sleep(0.05)
 
 
-def write_corpora(work: Path, stdlib: Path, max_files: int | None, sharegpt_records: int) -> list[str]:
-    """stdlib .py files as {"text"} JSONL (site-packages and tests left out) and a ShareGPT slice as JSONL."""
-    from data.readers import ReadStats, iter_json_array, sharegpt_path
+def write_corpus(path: Path, code_roots: list[Path]) -> Path:
+    """All documents as {"text"} / {"conversations"} JSONL lines, shuffled by content hash (written once)."""
+    from data.readers import ReadStats, humaneval_path, iter_json_array, iter_jsonl, sharegpt_path
 
-    work.mkdir(parents=True, exist_ok=True)
-    paths = []
-    files = sorted(p for p in stdlib.rglob("*.py") if not {"site-packages", "test", "tests"} & set(p.parts))
-    with open(work / "stdlib.jsonl", "w") as f:
-        for p in files[:max_files]:
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = {}  # content hash -> line: identical files count once
+    for root in code_roots:
+        for p in sorted(root.rglob("*.py")):
             try:
                 text = p.read_text(encoding="utf-8")
             except (UnicodeDecodeError, OSError):
                 continue
-            if text.strip():  # empty documents carry no counts
-                f.write(json.dumps({"text": text}) + "\n")
-    paths.append(str(work / "stdlib.jsonl"))
-    if sharegpt_records:
-        with open(work / "sharegpt.jsonl", "w") as f:
-            for i, rec in enumerate(iter_json_array(sharegpt_path(), ReadStats())):
-                if i >= sharegpt_records:
-                    break
-                f.write(json.dumps(rec) + "\n")
-        paths.append(str(work / "sharegpt.jsonl"))
-    return paths
+            if text.strip():
+                lines.setdefault(hashlib.blake2b(text.encode(), digest_size=16).digest(), json.dumps({"text": text}))
+    for rec in iter_jsonl(humaneval_path(), ReadStats()):
+        text = rec["prompt"] + rec["canonical_solution"] + "\n\n" + rec["test"]
+        lines.setdefault(hashlib.blake2b(text.encode(), digest_size=16).digest(), json.dumps({"text": text}))
+    for rec in iter_json_array(sharegpt_path(), ReadStats()):
+        line = json.dumps(rec)
+        lines.setdefault(hashlib.blake2b(line.encode(), digest_size=16).digest(), line)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        for h in sorted(lines):
+            f.write(lines[h] + "\n")
+    tmp.rename(path)
+    return path
+
+
+def prefix_corpus(corpus: Path, tokens: float, tokenizer, out: Path) -> Path:
+    """The first lines of the corpus holding ~`tokens` tokens (JSONL chars per token measured on 4M chars)."""
+    from data.readers import iter_documents
+
+    with open(corpus) as src, open(out, "w") as dst:
+        sample = 0
+        for line in src:
+            dst.write(line)
+            sample += len(line)
+            if sample > 4_000_000:
+                break
+    n = sum(len(ids) for ids in _encoder(tokenizer)(list(iter_documents(out, tokenizer))))
+    budget, size = tokens * sample / max(n, 1), 0
+    with open(corpus) as src, open(out, "w") as dst:
+        for line in src:
+            if size >= budget:
+                break
+            dst.write(line)
+            size += len(line)
+    return out
 
 
 def write_humaneval_prompts(path: Path) -> Path:
@@ -168,13 +205,28 @@ def tau(path: Path, limit: int, max_new: int, ks=(4, 8), threads: int = 1) -> di
     return out
 
 
+def extrapolate(rows: list[dict], at: float = 1e9) -> dict:
+    """Build seconds and file bytes at `at` tokens from the measured sizes: a line, and a power law."""
+    n = np.array([r["tokens"] for r in rows], dtype=float)
+    out = {"tokens": int(at)}
+    for key in ("total_s", "file_bytes", "peak_anon_mb"):
+        y = np.array([r[key] for r in rows], dtype=float)
+        if len(rows) < 2:
+            out[key] = {"linear": round(float(y[0] * at / n[0]), 1)}
+            continue
+        slope, icept = np.polyfit(n, y, 1)
+        power, scale = np.polyfit(np.log(n), np.log(np.maximum(y, 1e-9)), 1)
+        out[key] = {"linear": round(float(icept + slope * at), 1), "power_law": round(float(np.exp(scale) * at ** power), 1),
+                    "exponent": round(float(power), 3)}
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m eval.draft_file_bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="outputs/draft_file/bench.dfl")
+    ap.add_argument("--out", default="outputs/draft_file/bench.dfl", help="the largest size's file (the rest beside)")
     ap.add_argument("--target", default="smollm2-135m-instruct")
-    ap.add_argument("--stdlib", default=str(STDLIB))
-    ap.add_argument("--stdlib-max-files", type=int, default=None)
-    ap.add_argument("--sharegpt-records", type=int, default=12000)
+    ap.add_argument("--tokens", default="25e6,50e6,100e6", help="corpus sizes to build, comma-separated")
+    ap.add_argument("--code-roots", default=f"{STDLIB},{Path(sys.prefix) / 'lib/python3.11/site-packages'}")
     ap.add_argument("--coverage", type=float, default=None, help="size the table for this validation coverage")
     ap.add_argument("--min-count", type=int, default=2)
     ap.add_argument("--memory-mb", type=int, default=1024)
@@ -183,25 +235,33 @@ def main(argv=None) -> None:
     ap.add_argument("--tau-only", action="store_true", help="skip the build, measure tau with an existing --out")
     ap.add_argument("--tau-limit", type=int, default=8, help="prompts per set")
     ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="build workers and torch threads")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     write_humaneval_prompts(out.parent / "humaneval.jsonl")
-    result = {"bench": "draft_file"}
+    result = {"bench": "draft_file", "threads": args.threads}
     if not args.tau_only:
         tokenizer, name, vocab = load_tokenizer(args.target)
-        corpora = write_corpora(out.parent / "corpora", Path(args.stdlib), args.stdlib_max_files, args.sharegpt_records)
-        rss0, anon = rss_mb(), AnonPeak()
-        anon.start()
-        report = build(corpora, tokenizer, out, target_name=name, vocab_size=vocab, min_count=args.min_count,
-                       coverage=args.coverage, memory_mb=args.memory_mb,
-                       log=lambda m: print(m, file=sys.stderr, flush=True))
-        result["build"] = {**{k: v for k, v in report.items() if k != "selected"},
-                           "tokens_per_s": round(report["tokens"] / report["total_s"]),
-                           "peak_rss_mb": round(rss_mb()), "peak_anon_mb": round(anon.peak_mb),
-                           "rss_before_build_mb": round(rss0)}
-        anon.running = False
+        corpus = write_corpus(out.parent / "corpora" / "all.jsonl", [Path(p) for p in args.code_roots.split(",")])
+        sizes = sorted(float(t) for t in args.tokens.split(","))
+        result["builds"] = []
+        for i, size in enumerate(sizes):
+            path = out if i == len(sizes) - 1 else out.with_name(f"{out.stem}_{size / 1e6:g}M{out.suffix}")
+            part = prefix_corpus(corpus, size, tokenizer, out.parent / "corpora" / f"prefix_{size / 1e6:g}M.jsonl")
+            anon, before = AnonPeak(), anon_mb()
+            anon.start()
+            report = build([str(part)], tokenizer, path, target_name=name, vocab_size=vocab, min_count=args.min_count,
+                           coverage=args.coverage, memory_mb=args.memory_mb, threads=args.threads, progress=True,
+                           log=lambda m: print(m, file=sys.stderr, flush=True))
+            anon.running = False
+            row = {**{k: v for k, v in report.items() if k != "selected"},
+                   "tokens_per_s": round(report["tokens"] / report["total_s"]),
+                   "peak_anon_mb": round(anon.peak_mb - before)}  # what the build added to the process
+            result["builds"].append(row)
+            print(json.dumps({"build": row}), file=sys.stderr, flush=True)
+        result["peak_rss_mb"] = round(rss_mb())
+        result["extrapolated"] = extrapolate(result["builds"])
         f = DraftFile(out)
         s = stats(f)
         result["file"] = {k: s[k] for k in ("keys", "entries", "file_bytes", "table_bytes", "min_count",
@@ -211,7 +271,7 @@ def main(argv=None) -> None:
         ctx = validation_contexts(f, args.contexts)
         result["latency_cpu"] = latency(f, ctx)
         result["hot_cold"] = hot_cold(out, ctx)
-        print(json.dumps({k: result[k] for k in ("build", "latency_cpu")}), file=sys.stderr)
+        print(json.dumps({k: result[k] for k in ("builds", "extrapolated", "latency_cpu")}), file=sys.stderr)
     if args.tau or args.tau_only:
         result["tau"] = tau(out, args.tau_limit, args.max_new, threads=args.threads)
     print(json.dumps(result))
