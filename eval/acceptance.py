@@ -46,29 +46,18 @@ def parse_categories(spec: str | None) -> list[str] | None:
     return names or None
 
 
-def load_prompts(path: str | Path, categories: list[str] | None = None, limit: int | None = None) -> list[dict]:
-    """Prompts {category, turns, ...} from a JSONL file, filtered by category.
+def load_prompts(path: str | Path, categories: list[str] | None = None, limit: int | None = None,
+                 skip: int = 0) -> list[dict]:
+    """Prompts {question_id, category, turns} from a JSONL file (data.readers.read_prompts, strict: a malformed line
+    is an error naming it) or "humaneval" (the packaged problems), after `skip` records, filtered by category.
 
     --limit keeps `limit` prompts taken round-robin over categories (file order inside each), so a small
     limit still covers every category.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise DraftheadsError(f"prompt file '{path}' does not exist; pass --prompts FILE.jsonl "
-                              "(e.g. ../shared/bench/spec_bench_dev.jsonl)")
-    prompts = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):  # JSON text may hold U+2028
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DraftheadsError(f"{path}:{lineno} is not valid JSON ({e.msg}); fix or remove that line") from None
-        turns = record.get("turns") if isinstance(record, dict) else None
-        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
-            raise DraftheadsError(f"{path}:{lineno} needs a 'turns' field with a non-empty list of user messages")
-        record.setdefault("category", "all")
-        prompts.append(record)
+    from data.readers import read_humaneval, read_prompts
+
+    records = read_humaneval() if str(path) == "humaneval" else read_prompts(path, strict=True)
+    prompts = list(records)[skip:]
     if categories:
         wanted = [c for name in categories for c in CATEGORY_ALIASES.get(name, (name,))]
         present = {p["category"] for p in prompts}
