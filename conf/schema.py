@@ -33,6 +33,7 @@ class DraftConfig:
     share_embedding: bool = True  # reuse (frozen) target embedding
     share_lm_head: bool = True  # reuse (frozen) target LM head when the draft vocab is the full vocab
     init_from: Optional[str] = None  # an existing draft checkpoint directory (fine-tuning)
+    vocab_extend: int = 0  # fine-tuning: add the N most frequent domain tokens missing from the draft vocabulary
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific knobs
 
 
@@ -97,6 +98,8 @@ class TrainConfig:
     rl_anchors: int = 16  # RL: draft blocks per sequence and step, all scored in the sequence's one target forward
     rl_temperature: Optional[float] = None  # RL: serving temperature to optimise; None = the schedule's; 0 = greedy
     rl_surrogate_temperature: float = 1.0  # RL at rl_temperature=0: the head's softmax T inside alpha (< 1 sharpens)
+    replay_features: Optional[str] = None  # fine-tuning: a feature directory of general data to mix in
+    replay_fraction: float = 0.0  # share of the training mixture drawn from replay_features
     checkpoint_every: int = 50
     holdout_sequences: int = 0  # feature sequences held out (from the end) for validation; 0 = none
     eval_every: int = 100  # stage 1: validate every N steps; the head with the lowest validation loss is kept
@@ -118,6 +121,11 @@ class EvalConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     sources: list[str] = field(default_factory=lambda: ["prompt_lookup"])
     head_tree: bool = True  # also rate a trained parallel / Medusa head as a token tree of k nodes (same verify width)
+    domain_prompts: Optional[str] = None  # a second prompt set rated the same way (a prompts JSONL or "humaneval")
+    domain_categories: Optional[str] = None
+    domain_skip: int = 0  # skip its first N records (those a fine-tune trained on)
+    domain_limit: Optional[int] = None
+    compare_init: bool = True  # with draft.init_from: also rate the starting head (head_before) and the change
 
 
 @dataclass
@@ -195,7 +203,7 @@ DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 RULES: dict[str, Callable] = {
     "target.dtype": one_of(*DTYPES), "target.layer_ids": each(at_least(0)),
     "draft.family": one_of("peagle", "eagle3", "medusa", "dspark", "dflash"), "draft.k": between(1, 64),
-    "draft.num_layers": between(1, 64), "draft.draft_vocab_size": at_least(1),
+    "draft.num_layers": between(1, 64), "draft.draft_vocab_size": at_least(1), "draft.vocab_extend": at_least(0),
     "data.source": one_of("sharegpt", "chat_jsonl", "prompt_jsonl", "text_dir", "humaneval"),
     "data.max_records": at_least(1), "data.skip_records": at_least(0), "data.max_length": at_least(8),
     "data.overlong": one_of("truncate", "skip"), "data.regen_max_new": at_least(1), "data.regen_turns": at_least(1),
@@ -215,8 +223,9 @@ RULES: dict[str, Callable] = {
     "train.rl_kl_weight": at_least(0), "train.rl_pg_weight": at_least(0), "train.rl_max_context": at_least(2),
     "train.rl_anchors": at_least(1), "train.rl_temperature": at_least(0), "train.rl_surrogate_temperature": above(0),
     "train.checkpoint_every": at_least(1), "train.holdout_sequences": at_least(0), "train.eval_every": at_least(1),
-    "train.log_every": at_least(1), "train.seed": at_least(0),
-    "eval.limit": at_least(0), "eval.max_new": at_least(1), "eval.k": each(between(1, 64)),
+    "train.log_every": at_least(1), "train.seed": at_least(0), "train.replay_fraction": between(0, 0.95),
+    "eval.limit": at_least(0), "eval.max_new": at_least(1), "eval.domain_skip": at_least(0),
+    "eval.domain_limit": at_least(1), "eval.k": each(between(1, 64)),
     "eval.temperatures": each(at_least(0)),
     "runtime.device": one_of("cpu", "cuda"), "runtime.threads": between(1, 1024),
     "accelerate.strategy": one_of("single", "ddp", "fsdp", "zero2", "zero3"), "accelerate.num_processes": at_least(1),
@@ -225,7 +234,8 @@ RULES: dict[str, Callable] = {
 }
 FREE_FORM = {"target.name", "target.path", "target.config", "draft.init_from", "draft.extra", "data.path",
              "data.regen_server", "data.cache_dir",
-             "train.wandb_project", "eval.prompts", "eval.categories", "eval.sources",
+             "train.wandb_project", "train.replay_features", "eval.prompts", "eval.categories", "eval.sources",
+             "eval.domain_prompts", "eval.domain_categories",
              "accelerate.main_process_ip", "output_dir", "name"}
 
 

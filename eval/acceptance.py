@@ -36,7 +36,8 @@ MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", 
 CATEGORY_ALIASES = {"mt_bench": MT_BENCH}
 
 
-CLI_RULES = {"k": between(1, 64), "max_new": at_least(1), "limit": at_least(1), "threads": between(1, 1024),
+CLI_RULES = {"k": between(1, 64), "max_new": at_least(1), "limit": at_least(1), "skip": at_least(0),
+             "threads": between(1, 1024),
              "temperature": at_least(0), "top_p": between(1e-9, 1), "top_k": at_least(0), "seed": at_least(0)}
 
 
@@ -191,6 +192,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target-path", default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--limit", type=int, default=None, help="at most N prompts, round-robin over categories")
+    ap.add_argument("--skip", type=int, default=0, help="skip the first N prompt records (e.g. those trained on)")
     ap.add_argument("--categories", default=None, help="comma list; 'mt_bench' = the 8 MT-bench categories")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -208,7 +210,7 @@ def run(args: argparse.Namespace, target=None) -> dict:
 
     check_args(args, CLI_RULES)
     torch.set_num_threads(args.threads)
-    prompts = load_prompts(args.prompts, parse_categories(args.categories), args.limit)
+    prompts = load_prompts(args.prompts, parse_categories(args.categories), args.limit, args.skip)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
     if target is None:
         target = load_target(args.target, path=args.target_path, layer_ids=source_layer_ids(args.source),

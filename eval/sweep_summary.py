@@ -42,7 +42,7 @@ def collect(root: Path) -> list[dict]:
     points = []
     for run, config in zip(runs, configs):
         report = json.loads((run / "run_report.json").read_text())
-        head = [r for r in report.get("eval", []) if r["source"] == "head"]
+        head = [r for r in report.get("eval", []) if r.get("source") == "head"]
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] \
             if (run / "metrics.jsonl").is_file() else []
         validation = [r for r in rows if "val_loss" in r and r["stage"] == "soft_label"]

@@ -41,7 +41,7 @@ def test_each_point_has_its_own_run_and_the_data_is_prepared_once(multirun):
     assert heads[0] != heads[1]  # a changed setting is never served by a stale stage
     for p, start in zip(points, starts):
         assert json.loads((p / "head_soft_label" / "settings.json").read_text())["train.temperature"]["start"] == start
-        assert (p / "eval" / "summary.png").stat().st_size > 10_000
+        assert (p / "eval" / "summary_mt_bench.png").stat().st_size > 10_000
 
 
 def test_the_summary_ranks_the_points_and_draws_them(multirun):
@@ -65,7 +65,7 @@ def test_a_wandb_offline_run_holds_the_final_tau(tmp_path):
     tau = next(row["tau"] for row in json.loads((tmp_path / "run_report.json").read_text())["eval"]
                if row["source"] == "head")
     data = next((tmp_path / "wandb").rglob("*.wandb")).read_bytes()  # the offline run's record log
-    assert re.search(rb"tau/head_k3_T0.{1,6}" + re.escape(repr(float(tau)).encode()), data)
+    assert re.search(rb"tau/mt_bench/head_k3_T0.{1,6}" + re.escape(repr(float(tau)).encode()), data)
     assert b"soft_label/val_tau_est" in data or b"soft_label/loss" in data
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.checkpoint import build_draft, head_from_state, load_draft, save_draft
-from models.draft_vocab import build_draft_vocab
+from models.draft_vocab import build_draft_vocab, extend_draft_vocab, token_counts
 from models.errors import DraftheadsError
 from train.cod import anchor_plan, cod_plan
 from train.loop import RunLog, Shard, Stage, Tally, check_settings, run_stage
@@ -60,6 +60,36 @@ class Subset:
 
     def __getitem__(self, i: int) -> dict:
         return self.dataset[self.indices[i]]
+
+
+class Concat:
+    """Two feature sets as one (the domain's training split, then the replayed general sequences)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.second)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.first[i] if i < len(self.first) else self.second[i - len(self.first)]
+
+
+def with_replay(dataset, path: str | None, fraction: float, target):
+    """`dataset` plus enough sequences of the general feature set at `path` (spread over it) that they make up
+    `fraction` of the mixture: fine-tuning on a domain keeps seeing general data, so it forgets less."""
+    if fraction <= 0:
+        return dataset
+    if not path:
+        raise DraftheadsError(f"train.replay_fraction={fraction} needs train.replay_features=DIR (a feature directory "
+                              "of the general data, e.g. the first run's data/features)")
+    general = open_features(path, target)
+    n = min(len(general), round(fraction / (1 - fraction) * len(dataset)))
+    if getattr(general, "hidden", True) != getattr(dataset, "hidden", "aux_hidden" in dataset[0]):
+        raise DraftheadsError(f"train.replay_features '{path}' and the run's data differ in kind (offline hidden "
+                              "states vs online tokens); use the same data.features for both")
+    print(f"[draftheads] replay: {n} of {len(general)} general sequences mixed into {len(dataset)} domain ones")
+    return Concat(dataset, Subset(general, [i * len(general) // n for i in range(n)]))
 
 
 def split_holdout(dataset, holdout: int):
@@ -265,6 +295,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     everything = open_features(features, target)
     fill = online_features(everything, target, cfg.data.feature_dtype)
     dataset, holdout = split_holdout(everything, tc.holdout_sequences)
+    dataset = with_replay(dataset, tc.replay_features, tc.replay_fraction, target)
     resolved = OmegaConf.to_yaml(cfg, resolve=True) if OmegaConf.is_config(cfg) else None
     torch.manual_seed(tc.seed)  # every rank builds the same fresh head
     own_wandb = wandb_run is None and tc.wandb and main  # train.distill passes its run (it logs τ after training)
@@ -371,7 +402,13 @@ def _initial_head(dc, target, dataset):
         raise DraftheadsError("draft.share_embedding=false is not supported: heads read the target's frozen token "
                               "embedding (as vLLM's EAGLE-3 loader does when embed_tokens is absent); set it to true")
     if dc.init_from:  # domain fine-tuning: continue from an existing head (same family/sizes as recorded there)
-        return load_draft(dc.init_from, target)
+        head = load_draft(dc.init_from, target)
+        if dc.vocab_extend:
+            tokens = getattr(dataset, "tokens", dataset.__getitem__)
+            counts = token_counts((tokens(i) for i in range(len(dataset))), target.vocab_size)
+            added = extend_draft_vocab(head, target, counts, dc.vocab_extend)
+            print(f"[draftheads] draft vocabulary: +{added} domain tokens (rows from the target's LM head)")
+        return head
     vocab = None
     if dc.draft_vocab_size is not None and dc.draft_vocab_size < target.vocab_size:
         tokens = getattr(dataset, "tokens", dataset.__getitem__)  # ids and masks only, where the dataset can
