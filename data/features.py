@@ -2,8 +2,10 @@
 
 A shard (safetensors) holds concatenated sequences: `input_ids` int32 [N], `loss_mask` uint8 [N], `seq_offsets`
 int64 [S+1] and, for offline features, `aux_hidden` [N, n*H] (hidden states entering the n configured layers) and
-`final_hidden` [N, H] (the LM-head input: target logits for token t+1 = lm_head(final_hidden[t])). Storing the LM-head
-input instead of logits costs H instead of V values per token (576 vs 49152 on SmolLM2). Hidden states are bfloat16,
+`final_hidden` [N, H] (the LM-head input: target logits for token t+1 = lm_head(final_hidden[t])) and `target_argmax`
+int32 [N] (the target's greedy next token over its whole vocabulary: what draft agreement is measured against, also
+for heads with a reduced draft vocabulary). Storing the LM-head input instead of logits costs H instead of V values
+per token (576 vs 49152 on SmolLM2). Hidden states are bfloat16,
 or int8 with one float32 scale per token and layer (`aux_scale` [N, n], `final_scale` [N, 1]; data.feature_dtype=int8).
 Online runs (data.features=online) store tokens only: the target recomputes hidden states in the training step,
 rounded exactly as storage would round them (`round_like_storage`), so online and offline train on the same numbers.
@@ -93,9 +95,9 @@ def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out
                and buffered + sum(len(s[0]) for s in batch) < shard_tokens):
             batch.append(todo[i + len(batch)])
         i += len(batch)
-        states = _run_batch(forward, [ids for ids, _ in batch]) if hidden else [None] * len(batch)
+        states = _run_batch(forward, target, [ids for ids, _ in batch]) if hidden else [None] * len(batch)
         for (ids, mask), state in zip(batch, states):
-            stored = encode(state[0].cpu(), state[1].cpu(), dtype) if state else {}
+            stored = {**encode(state[0].cpu(), state[1].cpu(), dtype), "target_argmax": state[2].cpu()} if state else {}
             buffer.append({"input_ids": ids, "loss_mask": mask, **stored})
             buffered += len(ids)
             new_tokens += len(ids)
@@ -183,15 +185,22 @@ def _feature_forward(target: Target):
     return lambda ids, attn: target(ids.to(target.device), attention_mask=attn.to(target.device), compute_logits=False)
 
 
-def _run_batch(forward, seqs: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
-    """(aux [T, nH], final [T, H]) per sequence, float32 on the target's device."""
+def _run_batch(forward, target: Target, seqs: list[Tensor]) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """(aux [T, nH], final [T, H] float32, target_argmax [T] int32) per sequence, on the target's device. The argmax
+    runs the LM head in row chunks (a [T, V] block at a time, not [B, T, V])."""
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for r, s in enumerate(seqs):
         ids[r, : len(s)], attn[r, : len(s)] = s, 1
     out = forward(ids, attn)
-    return [(out.aux_hidden[r, : len(s)].float(), out.final_hidden[r, : len(s)].float()) for r, s in enumerate(seqs)]
+    result = []
+    for r, s in enumerate(seqs):
+        final = out.final_hidden[r, : len(s)]
+        argmax = torch.cat([target.lm_head(final[i: i + 512].to(target.dtype)).argmax(-1)
+                            for i in range(0, len(s), 512)]).to(torch.int32)
+        result.append((out.aux_hidden[r, : len(s)].float(), final.float(), argmax))
+    return result
 
 
 def encode(aux: Tensor, final: Tensor, dtype: str) -> dict:
@@ -247,13 +256,13 @@ class OnlineFeatures:
     would round them: the online counterpart of reading a feature directory (everything after it is shared)."""
 
     def __init__(self, target: Target, dtype: str = "bfloat16"):
-        self.forward, self.dtype = _feature_forward(target), dtype
+        self.target, self.forward, self.dtype = target, _feature_forward(target), dtype
 
     @torch.no_grad()
     def __call__(self, items: list[dict]) -> list[dict]:
-        states = _run_batch(self.forward, [it["input_ids"] for it in items])
-        return [{**it, **dict(zip(("aux_hidden", "final_hidden"), round_like_storage(aux, final, self.dtype)))}
-                for it, (aux, final) in zip(items, states)]
+        states = _run_batch(self.forward, self.target, [it["input_ids"] for it in items])
+        return [{**it, **dict(zip(("aux_hidden", "final_hidden"), round_like_storage(aux, final, self.dtype))),
+                 "target_argmax": argmax.long()} for it, (aux, final, argmax) in zip(items, states)]
 
 
 class FeatureDataset:
@@ -308,4 +317,6 @@ class FeatureDataset:
         item = {"input_ids": rows["input_ids"].long(), "loss_mask": rows["loss_mask"].bool()}
         if self.hidden and keys is None:
             item["aux_hidden"], item["final_hidden"] = decode(rows, self.hidden_size)
+        if "target_argmax" in rows:  # absent from directories written before it was stored
+            item["target_argmax"] = rows["target_argmax"].long()
         return item

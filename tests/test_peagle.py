@@ -131,7 +131,7 @@ def test_trainer_labels_are_aligned_with_an_oracle_target():
     out = SimpleNamespace(batch_index=torch.arange(2)[:, None].expand_as(keep)[keep], anchor=plan.anchor[keep],
                           depth=plan.depth[keep])
     head = SimpleNamespace(draft_ids=None)
-    tgt, labels = draft_labels(oracle, head, batch, out, slice(0, None))
+    tgt, labels, _ = draft_labels(oracle, head, batch, out, slice(0, None))
     assert labels.numel() > 10
     assert torch.equal(tgt.argmax(-1), labels)
     # and every label is a loss token inside its sequence

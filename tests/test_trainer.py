@@ -358,3 +358,30 @@ def test_rl_killed_before_its_first_checkpoint_logs_step_0_once(peaked_target, t
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rl = [(r["step"], "val_tau_est" in r) for r in rows if r["stage"] == "rl"]
     assert rl == [(0, True), *[(s, False) for s in range(1, 7)], (6, True)]
+
+
+def test_agreement_is_measured_against_the_whole_vocabulary_argmax(tiny_target):
+    """A draft-vocab head cannot agree where the target's greedy token lies outside its vocabulary: with the features'
+    target_argmax those rows are misses; the draft-vocab-only argmax (old features) counted some of them as hits."""
+    from models.checkpoint import build_draft
+    from models.draft_vocab import build_draft_vocab
+    from train.trainer import soft_label_loss, validation_fn
+
+    feats = tiny_features(tiny_target, n=6)
+    full = []
+    for f in feats:
+        argmax = tiny_target.lm_head(f["final_hidden"]).argmax(-1)
+        full.append({**f, "target_argmax": argmax})
+    cfg = make_cfg(Path("."))
+    vocab = build_draft_vocab(feats, 32, tiny_target.vocab_size)
+    outside = sum(int((~vocab.t2d[f["target_argmax"]]).sum()) for f in full)
+    assert outside > 0  # the random target often prefers tokens the data never trains
+    torch.manual_seed(0)
+    head = build_draft("peagle", tiny_target, 3, 1, True, vocab)
+    results = {}
+    for name, items in (("draft_vocab_only", feats), ("whole_vocab", full)):
+        loss_on = soft_label_loss(tiny_target, cfg.train, 3, "peagle", tiny_target.device)
+        results[name] = validation_fn(loss_on, items, 2, 3)(head)
+    assert results["whole_vocab"]["val_loss"] == results["draft_vocab_only"]["val_loss"]  # the loss is unchanged
+    accs = [sum(r[f"val_acc_{d}"] for d in (1, 2, 3)) for r in (results["whole_vocab"], results["draft_vocab_only"])]
+    assert accs[0] < accs[1], results

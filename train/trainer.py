@@ -114,11 +114,13 @@ def batch_indices(micro: int, batch_size: int, n: int, seed: int) -> list[int]:
 
 
 def collate(items: list[dict], device) -> dict:
-    """Right-padded batch: input_ids [B, T], loss_mask [B, T], aux_hidden [B, T, nH], final_hidden [B, T, H], lengths [B]."""
+    """Right-padded batch: input_ids [B, T], loss_mask [B, T], aux_hidden [B, T, nH], final_hidden [B, T, H],
+    target_argmax [B, T] (when every item has it), lengths [B]."""
     lengths = torch.tensor([len(x["input_ids"]) for x in items])
     T = int(lengths.max())
     out = {"lengths": lengths.to(device)}
-    for key in ("input_ids", "loss_mask", "aux_hidden", "final_hidden"):
+    optional = [k for k in ("target_argmax",) if all(k in x for x in items)]
+    for key in ("input_ids", "loss_mask", "aux_hidden", "final_hidden", *optional):
         first = items[0][key]
         buf = first.new_zeros((len(items), T, *first.shape[1:]))
         for r, x in enumerate(items):
@@ -131,7 +133,10 @@ def collate(items: list[dict], device) -> dict:
 # stage 1: soft labels
 # ---------------------------------------------------------------------------------------------
 def draft_labels(target, head, batch: dict, out, chunk: slice):
-    """Target logits [n, V_draft] (no grad) and token labels [n] (draft-vocab ids, -1 outside) for rows `chunk`."""
+    """Target logits [n, V_draft] (no grad), token labels [n] and the target's greedy token [n] for rows `chunk`
+    (draft-vocab ids, -1 outside the draft vocabulary). The greedy token is the whole-vocabulary argmax the features
+    carry (target_argmax): a head with a reduced vocabulary cannot agree where the target's choice lies outside it.
+    Features without it fall back to the argmax over the draft vocabulary (an overestimate for such heads)."""
     b, rows = out.batch_index[chunk], (out.anchor + out.depth)[chunk]  # target row t+d predicts token t+d+1
     ids = head.draft_ids
     final = batch["final_hidden"][b, rows].to(target.dtype)
@@ -139,10 +144,16 @@ def draft_labels(target, head, batch: dict, out, chunk: slice):
         lm = target.model.get_output_embeddings()
         tgt = lm(final) if ids is None else F.linear(final, lm.weight[ids], None if lm.bias is None else lm.bias[ids])
     labels = batch["input_ids"][b, rows + 1]
+    best = batch["target_argmax"][b, rows] if "target_argmax" in batch else None
     if ids is not None:
         draft_index = torch.cumsum(head.t2d.long(), 0) - 1
-        labels = torch.where(head.t2d[labels], draft_index[labels], torch.full_like(labels, -1))
-    return tgt, labels
+
+        def to_draft(t):
+            return torch.where(head.t2d[t], draft_index[t], torch.full_like(t, -1))
+
+        labels = to_draft(labels)
+        best = None if best is None else to_draft(best)
+    return tgt, labels, tgt.argmax(-1) if best is None else best
 
 
 def online_features(dataset, target, dtype: str):
@@ -193,9 +204,10 @@ def _objective(core, target, batch: dict, out, tc, temperature: float, gamma: fl
     agree = torch.zeros(n, device=out.hidden.device)
     for s in range(0, n, LOSS_CHUNK_ROWS):
         chunk = slice(s, s + LOSS_CHUNK_ROWS)
-        tgt, labels = draft_labels(target, core, batch, out, chunk)
+        tgt, labels, best = draft_labels(target, core, batch, out, chunk)
         ref = _regression_target(core, batch, out, chunk, tc)
-        part, hit = _chunk_loss(core, out.hidden[chunk], out.depth[chunk], tgt, labels, w[chunk], tc, temperature, ref)
+        part, hit = _chunk_loss(core, out.hidden[chunk], out.depth[chunk], tgt, labels, best, w[chunk], tc,
+                                temperature, ref)
         total = total + part
         agree[chunk] = hit
     stats = {"tokens": int(batch["lengths"].sum())}
@@ -218,7 +230,7 @@ def validation_fn(loss_on, holdout, batch_size: int, k: int):
             items = [holdout[i] for i in range(b * batch_size, min((b + 1) * batch_size, len(holdout)))]
             loss, stats = loss_on(model, items, b, 1.0)
             if real:
-                tally.add("val_loss", float(loss))
+                tally.add("val_loss", float(loss.detach()))
                 for d in range(1, k + 1):
                     tally.add(f"val_acc_{d}", stats[f"acc_{d}"])
         means = shard.reduce(tally)
@@ -248,7 +260,7 @@ def _regression_target(core, batch: dict, out, chunk: slice, tc) -> Tensor | Non
     return final
 
 
-def _chunk_loss(core, hidden, depth, tgt, labels, w, tc, temperature, ref=None):
+def _chunk_loss(core, hidden, depth, tgt, labels, best, w, tc, temperature, ref=None):
     """Weighted loss sum of one chunk; logits are recomputed in backward (checkpoint) so only one chunk is alive.
     ref: the target's LM-head input per row for hidden-state regression (EAGLE's SmoothL1 feature loss), or None."""
     def f(h):
@@ -262,7 +274,7 @@ def _chunk_loss(core, hidden, depth, tgt, labels, w, tc, temperature, ref=None):
             survive = 1.0 - total_variation(tgt, logits, temperature).detach()
             c_logit = core.confidence_logit(h, depth).float()
             per = per + tc.confidence_weight * F.binary_cross_entropy_with_logits(c_logit, survive, reduction="none")
-        return (per * w).sum(), (logits.argmax(-1) == tgt.argmax(-1)).float()
+        return (per * w).sum(), (logits.argmax(-1) == best).float()
 
     if hidden.requires_grad:
         part, hit = torch.utils.checkpoint.checkpoint(f, hidden, use_reentrant=False)
