@@ -5,6 +5,11 @@ Layout mirrors vLLM's speculators EAGLE-3 draft so export is a rename:
   layers.0 is a Llama decoder layer whose q/k/v read [input_layernorm(embed); hidden_norm(hidden)] (2H);
   layers.1.. are plain Llama layers; norm; lm_head (the target's frozen one, or a draft-vocab head of N rows
   with d2t / t2d maps).
+A head trained elsewhere (speculators 0.9 writes Qwen3-style layers) may carry three more pieces, each off by
+default and recorded in `config`: qk_norm (per-head RMSNorm of q and k before RoPE, layers.i.self_attn.q_norm /
+k_norm [head_dim]), own_embedding (its trained embed_tokens [V, H] instead of the target's; P-EAGLE's mask slot then
+embeds mask_token_id, as vLLM does) and own_lm_head (its trained full-vocabulary lm_head [V, H]). Fine-tuning trains
+them like any other parameter.
 
 Alignment (the one place an off-by-one can hide). Features row t = target hidden states after reading tokens
 x_0..x_t. The draft token with anchor t and depth d (d = 1..K) sits at position t + d - 1 and predicts x_{t+d+1};
@@ -107,18 +112,24 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, in_size: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, in_size: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 qk_norm: bool = False, eps: float = 1e-5):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(in_size, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(in_size, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(in_size, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        if qk_norm:  # Qwen3: each head's q and k are RMS-normed over head_dim before RoPE
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past: tuple[Tensor, Tensor] | None):
         B, N, _ = x.shape
-        q = self.q_proj(x).view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, N, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, N, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         new_kv = (k, v)
@@ -144,14 +155,14 @@ class DecoderLayer(nn.Module):
     """Llama decoder layer; the first one (EAGLE-3) also reads the token embedding: q/k/v take 2H inputs."""
 
     def __init__(self, first: bool, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps,
-                 norm_before_residual: bool):
+                 norm_before_residual: bool, qk_norm: bool = False):
         super().__init__()
         self.first, self.norm_before_residual = first, norm_before_residual
         self.input_layernorm = RMSNorm(hidden_size, eps)
         if first:
             self.hidden_norm = RMSNorm(hidden_size, eps)
         in_size = 2 * hidden_size if first else hidden_size
-        self.self_attn = Attention(in_size, hidden_size, num_heads, num_kv_heads, head_dim)
+        self.self_attn = Attention(in_size, hidden_size, num_heads, num_kv_heads, head_dim, qk_norm, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = MLP(hidden_size, intermediate_size)
 
@@ -195,31 +206,48 @@ class PEagleDrafter(TrainableHead):
     def __init__(self, hidden_size: int, num_aux_layers: int, num_layers: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, intermediate_size: int, vocab_size: int, k: int, parallel: bool = True,
                  draft_vocab_size: int | None = None, rms_norm_eps: float = 1e-5, rope_theta: float = 10000.0,
-                 norm_before_residual: bool = False, rope_scaling: dict | None = None):
+                 norm_before_residual: bool = False, rope_scaling: dict | None = None, qk_norm: bool = False,
+                 own_embedding: bool = False, own_lm_head: bool = False, mask_token_id: int | None = None):
         super().__init__()
         rope_scaling = head_rope_scaling(rope_scaling, head_dim, rope_theta)
+        draft_vocab = draft_vocab_size is not None and draft_vocab_size < vocab_size
+        if own_lm_head and draft_vocab:
+            raise DraftheadsError(f"own_lm_head is for full-vocabulary heads; a head with draft_vocab_size="
+                                  f"{draft_vocab_size} < {vocab_size} always has its own LM head of those rows")
+        if own_embedding and parallel and (mask_token_id is None or not 0 <= mask_token_id < vocab_size):
+            raise DraftheadsError(f"a P-EAGLE head with its own embedding embeds mask_token_id for depths 2..K; "
+                                  f"mask_token_id={mask_token_id} is not a token id in 0..{vocab_size - 1}")
         self.config = dict(hidden_size=hidden_size, num_aux_layers=num_aux_layers, num_layers=num_layers,
                            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            intermediate_size=intermediate_size, vocab_size=vocab_size, k=k, parallel=parallel,
                            draft_vocab_size=draft_vocab_size, rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
-                           norm_before_residual=norm_before_residual, rope_scaling=rope_scaling)
+                           norm_before_residual=norm_before_residual, rope_scaling=rope_scaling, qk_norm=qk_norm,
+                           own_embedding=own_embedding, own_lm_head=own_lm_head,
+                           mask_token_id=mask_token_id if own_embedding and parallel else None)
         self.k, self.parallel, self.head_dim, self.rope_theta = k, parallel, head_dim, rope_theta
         self.rope_scaling = rope_scaling
         self.vocab_size = vocab_size
+        self.mask_token_id = self.config["mask_token_id"]
         H = hidden_size
         self.fc = nn.Linear(num_aux_layers * H, H, bias=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(i == 0, H, num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps, norm_before_residual)
+            DecoderLayer(i == 0, H, num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps,
+                         norm_before_residual, qk_norm)
             for i in range(num_layers)
         )
         self.norm = RMSNorm(H, rms_norm_eps)
         if parallel:  # the shared slot for depths 2..K (mask_hidden is 3H, before fc, as vLLM expects)
-            self.mask_embedding = nn.Parameter(torch.randn(H) * 0.02)
+            if not own_embedding:  # with its own embedding the slot embeds mask_token_id instead
+                self.mask_embedding = nn.Parameter(torch.randn(H) * 0.02)
             self.mask_hidden = nn.Parameter(torch.randn(num_aux_layers * H) * 0.02)
-        if draft_vocab_size is not None and draft_vocab_size < vocab_size:
+        if own_embedding:
+            self.embed_tokens = nn.Embedding(vocab_size, H)
+        if draft_vocab:
             self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
+        elif own_lm_head:
+            self.lm_head = nn.Linear(H, vocab_size, bias=False)
         self._shared: dict[str, nn.Module] = {}  # frozen target modules: NOT parameters of the head, not saved
 
     @property
@@ -228,15 +256,17 @@ class PEagleDrafter(TrainableHead):
 
     # -- wiring --------------------------------------------------------------------------------
     def attach_target(self, target, draft_vocab: DraftVocab | None = None, fresh: bool = False) -> "PEagleDrafter":
-        """Share the target's frozen embedding (and LM head when the vocab is full); init a fresh draft-vocab head."""
-        self._shared["embed"] = target.model.get_input_embeddings()
+        """Share the target's frozen embedding and full-vocabulary LM head (unless the head has its own); init a fresh
+        draft-vocab head."""
+        if not hasattr(self, "embed_tokens"):
+            self._shared["embed"] = target.model.get_input_embeddings()
         if hasattr(self, "d2t"):
             if fresh and draft_vocab is not None:  # fresh head: maps + rows of the target LM head as a warm start
                 self.d2t.copy_(draft_vocab.d2t)
                 self.t2d.copy_(draft_vocab.t2d)
                 with torch.no_grad():
                     self.lm_head.weight.copy_(target.model.get_output_embeddings().weight[draft_vocab.draft_ids])
-        else:
+        elif not hasattr(self, "lm_head"):
             self._shared["lm_head"] = target.model.get_output_embeddings()
         return self
 
@@ -246,11 +276,11 @@ class PEagleDrafter(TrainableHead):
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t if hasattr(self, "d2t") else None
 
     def embed(self, ids: Tensor) -> Tensor:
-        return self._shared["embed"](ids)
+        return self.embed_tokens(ids) if hasattr(self, "embed_tokens") else self._shared["embed"](ids)
 
     def logits(self, normed: Tensor) -> Tensor:
-        """[..., V_draft] (V_draft = V when the head uses the target's LM head)."""
-        head = self.lm_head if hasattr(self, "d2t") else self._shared["lm_head"]
+        """[..., V_draft] (V_draft = V for a full-vocabulary head, its own LM head or the target's)."""
+        head = self.lm_head if hasattr(self, "lm_head") else self._shared["lm_head"]
         return head(normed)
 
     def full_vocab_logits(self, logits: Tensor) -> Tensor:
@@ -273,7 +303,9 @@ class PEagleDrafter(TrainableHead):
     def slot_inputs(self, n: int, like: Tensor) -> tuple[Tensor, Tensor]:
         """Parallel slots for depths 2..K: (mask embedding, fc(mask_hidden)), each [n, H]."""
         H = self.fc.out_features
-        return self.mask_embedding.to(like.dtype).expand(n, H), self.fc(self.mask_hidden.to(like.dtype)).expand(n, H)
+        mask_embedding = self.embed_tokens.weight[self.mask_token_id] if hasattr(self, "embed_tokens") else \
+            self.mask_embedding
+        return mask_embedding.to(like.dtype).expand(n, H), self.fc(self.mask_hidden.to(like.dtype)).expand(n, H)
 
     # -- training ------------------------------------------------------------------------------
     def train_forward(self, batch: dict, plan) -> DraftTrainOutput:
@@ -426,12 +458,16 @@ def peagle_for_target(target, k: int, num_layers: int = 1, parallel: bool = True
 def target_layer_sizes(target) -> dict:
     """Constructor sizes a draft head copies from its target: hidden size, fused layers, heads, head dim, MLP
     width, vocab, norm eps, RoPE theta and scaling."""
-    c = target.model.config
+    return dict(decoder_sizes(target.model.config), num_aux_layers=len(target.layer_ids), vocab_size=target.vocab_size)
+
+
+def decoder_sizes(c) -> dict:
+    """Decoder-layer sizes of a transformers config (a target's, or an exported head's transformer_layer_config):
+    hidden size, heads, head dim, MLP width, norm eps, RoPE theta and scaling."""
     # transformers >= 5: rope_parameters holds theta, type and scaling; 4.x: rope_theta + rope_scaling (or None)
     rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
     theta = rope.pop("rope_theta", getattr(c, "rope_theta", 10000.0))
-    return dict(hidden_size=c.hidden_size, num_aux_layers=len(target.layer_ids), num_heads=c.num_attention_heads,
-                num_kv_heads=c.num_key_value_heads,
+    return dict(hidden_size=c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                 head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                intermediate_size=c.intermediate_size, vocab_size=target.vocab_size, rms_norm_eps=c.rms_norm_eps,
-                rope_theta=float(theta), rope_scaling=None if rope_type(rope) == "default" else rope)
+                intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta),
+                rope_scaling=None if rope_type(rope) == "default" else rope)
