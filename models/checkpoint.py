@@ -8,6 +8,9 @@
   metrics.json          final training metrics
 
 `load_draft(dir, target)` refuses a head built for another target (vocab, hidden size, tokenizer, layer ids).
+It also reads the serving layouts models/export.py writes, from us or from anyone (a peer's head to fine-tune or
+draft with): a vLLM speculators EAGLE-3 / P-EAGLE directory and an SGLang EAGLE-3 draft; `read_draft_config`
+tells them apart by their config.json and summarises theirs in the same shape (layout, family, k, target).
 """
 
 from __future__ import annotations
@@ -67,39 +70,103 @@ def target_for_head(directory, target_path: str | None = None):
     from models.target import load_target
 
     fp = read_draft_config(directory)["target"]
-    return load_target(fp["name"], target_path, fp["layer_ids"])
+    if fp["name"] is None and target_path is None:
+        raise DraftheadsError(f"'{directory}' does not name the target it drafts for (SGLang drafts do not); pass "
+                              "the target's directory (--target-path)")
+    return load_target(fp["name"] or target_path, target_path, fp["layer_ids"])
+
+
+LAYOUTS = {"draftheads": "a draftheads checkpoint (out_dir/head)",
+           "speculators": "a vLLM speculators EAGLE-3 / P-EAGLE directory (speculators_model_type in config.json)",
+           "sglang": "an SGLang EAGLE-3 draft (architectures [\"LlamaForCausalLMEagle3\"])"}
 
 
 def read_draft_config(directory) -> dict:
+    """config.json of a draft checkpoint plus "layout"; for a speculators or SGLang directory, its summary in our
+    shape: layout, family, k and target (name, vocab_size, hidden_size, layer_ids)."""
     d = Path(directory)
-    if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
-        raise DraftheadsError(f"'{d}' is not a draft checkpoint (needs config.json and model.safetensors); "
-                              "pass the directory written by training (out_dir/head)")
-    config = json.loads((d / "config.json").read_text())
+    if not (d / "config.json").is_file() or not weight_files(d):
+        raise DraftheadsError(f"'{d}' is not a draft checkpoint (needs config.json and model.safetensors); pass "
+                              f"{' or '.join(LAYOUTS.values())}")
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise DraftheadsError(f"'{d}/config.json' is not valid JSON ({e}); the directory is damaged, copy it "
+                              "again") from None
+    layout = draft_layout(config, d)
+    if layout != "draftheads":
+        from models.export import serving_layout_summary  # export imports this module: import on use
+
+        return serving_layout_summary(d, config, layout)
     if config.get("format") != FORMAT or config.get("format_version", 0) > FORMAT_VERSION:
         raise DraftheadsError(f"'{d}/config.json' is not a draftheads draft v<={FORMAT_VERSION} "
                               f"(format={config.get('format')!r}, version={config.get('format_version')!r}); "
                               "re-export it with this version of draftheads")
     if config["family"] not in FAMILIES:
         raise DraftheadsError(f"draft checkpoint '{d}' has family '{config['family']}'; known: {sorted(FAMILIES)}")
-    return config
+    return {**config, "layout": "draftheads"}
 
 
-def load_draft(directory, target, device=None):
-    """The head in eval mode, attached to `target`'s frozen embedding / LM head. Refuses a foreign target."""
+def draft_layout(config: dict, d: Path) -> str:
+    """Which of LAYOUTS a config.json describes (a draftheads config of another version is ours, refused later)."""
+    if "format" in config:
+        return "draftheads"
+    if "speculators_model_type" in config:
+        return "speculators"
+    if "LlamaForCausalLMEagle3" in (config.get("architectures") or []):
+        return "sglang"
+    raise DraftheadsError(f"'{d}/config.json' is no draft head layout draftheads reads (architectures="
+                          f"{config.get('architectures')}, model_type={config.get('model_type')!r}); pass "
+                          f"{' or '.join(LAYOUTS.values())}")
+
+
+def weight_files(d: Path) -> list[Path]:
+    """The safetensors files of a directory: model.safetensors, or the shards its index names."""
+    if (d / "model.safetensors").is_file():
+        return [d / "model.safetensors"]
+    index = d / "model.safetensors.index.json"
+    if not index.is_file():
+        return []
+    shards = [d / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return shards if all(f.is_file() for f in shards) else []
+
+
+def read_weights(d: Path) -> dict:
+    """Every tensor of the directory's safetensors file(s), by name."""
+    state = {}
+    for f in weight_files(Path(d)):
+        state.update(load_file(f))
+    return state
+
+
+def load_draft(directory, target, device=None, k: int | None = None):
+    """The head in eval mode, attached to `target`'s frozen embedding / LM head, from any of LAYOUTS (k: the draft
+    length of an SGLang draft that does not record one). Refuses a foreign target."""
     config = read_draft_config(directory)
+    if config["layout"] != "draftheads":
+        from models.export import import_sglang, import_speculators
+
+        head = import_speculators(directory, target) if config["layout"] == "speculators" else \
+            import_sglang(directory, target, k)
+        return head.to(device=device or target.device)
     target.check_fingerprint(config["target"], f"draft head '{directory}'", keys=CHECKED_KEYS)
     state = load_file(Path(directory) / "model.safetensors")
     return head_from_state(config["family"], config["sizes"], state, target, f"draft checkpoint '{directory}'", device)
 
 
-def head_from_state(family: str, sizes: dict, state: dict, target, what: str, device=None):
+def head_from_state(family: str, sizes: dict, state: dict, target, what: str, device=None,
+                    fix: str = "the file is damaged, retrain or re-save it"):
     """Build `family` from its recorded constructor sizes, load `state` strictly, attach to `target`, eval mode."""
     head = FAMILIES[family](**sizes)
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise DraftheadsError(f"{what} does not match its config.json (missing {missing[:4]}, "
-                              f"unexpected {unexpected[:4]}); the file is damaged, retrain or re-save it")
+    want = head.state_dict()
+    missing = [n for n in want if n not in state]
+    unexpected = [n for n in state if n not in want]
+    misshapen = [f"{n} {list(state[n].shape)}, expected {list(v.shape)}" for n, v in want.items()
+                 if n in state and state[n].shape != v.shape]
+    if missing or unexpected or misshapen:
+        raise DraftheadsError(f"{what} does not match its config.json (missing {missing[:4]}, unexpected "
+                              f"{unexpected[:4]}, wrong shapes {misshapen[:4]}); {fix}")
+    head.load_state_dict(state, strict=True)
     head = head.to(device=device or target.device, dtype=target.dtype).attach_target(target)
     return head.eval().requires_grad_(False)
 
