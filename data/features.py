@@ -84,31 +84,33 @@ def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out
     todo = mine[start:]
     buffer: list[dict] = []
     buffered, new_tokens, t0 = 0, 0, time.perf_counter()
-    bar = tqdm(total=sum(len(ids) for ids, _ in todo), desc="features" if world == 1 else f"features[{rank}]",
-               unit="tok", position=rank)
-    forward = _feature_forward(target) if hidden else None
-    i = 0
-    while i < len(todo):
-        batch = [todo[i]]  # pack sequences up to batch_tokens (right padding), never far past a shard boundary
-        while (i + len(batch) < len(todo)
-               and (len(batch) + 1) * max(len(s[0]) for s in batch + [todo[i + len(batch)]]) <= batch_tokens
-               and buffered + sum(len(s[0]) for s in batch) < shard_tokens):
-            batch.append(todo[i + len(batch)])
-        i += len(batch)
-        states = _run_batch(forward, target, [ids for ids, _ in batch]) if hidden else [None] * len(batch)
-        for (ids, mask), state in zip(batch, states):
-            stored = {**encode(state[0].cpu(), state[1].cpu(), dtype), "target_argmax": state[2].cpu()} if state else {}
-            buffer.append({"input_ids": ids, "loss_mask": mask, **stored})
-            buffered += len(ids)
-            new_tokens += len(ids)
-            bar.update(len(ids))
-        if buffered >= shard_tokens or i == len(todo):
-            for b in buffer:
-                _digest_update(digest, b["input_ids"], b["loss_mask"])
-            _write_shard(out, manifest, buffer, digest.hexdigest(), prefix)
-            buffer, buffered = [], 0
-            _write_json_atomic(mpath, manifest)
-    bar.close()
+    tokens_todo = sum(len(ids) for ids, _ in todo)
+    _check_space(out, tokens_todo * _bytes_per_token(target, hidden, dtype))
+    with tqdm(total=tokens_todo, desc="features" if world == 1 else f"features[{rank}]", unit="tok",
+              position=rank) as bar:
+        forward = _feature_forward(target) if hidden else None
+        i = 0
+        while i < len(todo):
+            batch = [todo[i]]  # pack sequences up to batch_tokens (right padding), never far past a shard boundary
+            while (i + len(batch) < len(todo)
+                   and (len(batch) + 1) * max(len(s[0]) for s in batch + [todo[i + len(batch)]]) <= batch_tokens
+                   and buffered + sum(len(s[0]) for s in batch) < shard_tokens):
+                batch.append(todo[i + len(batch)])
+            i += len(batch)
+            states = _run_batch(forward, target, [ids for ids, _ in batch]) if hidden else [None] * len(batch)
+            for (ids, mask), state in zip(batch, states):
+                stored = {} if state is None else \
+                    {**encode(state[0].cpu(), state[1].cpu(), dtype), "target_argmax": state[2].cpu()}
+                buffer.append({"input_ids": ids, "loss_mask": mask, **stored})
+                buffered += len(ids)
+                new_tokens += len(ids)
+                bar.update(len(ids))
+            if buffered >= shard_tokens or i == len(todo):
+                for b in buffer:
+                    _digest_update(digest, b["input_ids"], b["loss_mask"])
+                _write_shard(out, manifest, buffer, digest.hexdigest(), prefix)
+                buffer, buffered = [], 0
+                _write_json_atomic(mpath, manifest)
     manifest["complete"] = True
     _write_json_atomic(mpath, manifest)
     elapsed = time.perf_counter() - t0
@@ -117,6 +119,25 @@ def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out
     return {"sequences": manifest["sequences_done"], "tokens": tokens, "new_tokens": new_tokens,
             "seconds": round(elapsed, 2), "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1),
             "bytes": size, "bytes_per_token": round(size / max(tokens, 1), 1), "hidden": hidden, "dtype": dtype}
+
+
+def _bytes_per_token(target: Target, hidden: bool, dtype: str) -> int:
+    """On-disk bytes per token: id, loss mask, and with hidden states the target's argmax and n+1 hidden rows."""
+    if not hidden:
+        return 5
+    width = (len(target.layer_ids) + 1) * target.hidden_size
+    return 9 + (2 * width if dtype == "bfloat16" else width + 4 * (len(target.layer_ids) + 1))
+
+
+def _check_space(out: Path, needed: int) -> None:
+    """Before extracting: the bytes the remaining shards need must be free (a full disk mid-way costs a shard)."""
+    import shutil
+
+    free = shutil.disk_usage(out).free
+    if free < needed:
+        raise DraftheadsError(f"feature directory '{out}' needs {needed / 2**20:,.1f} MiB for the remaining features "
+                              f"but its disk has {free / 2**20:,.1f} MiB free; free space or point output_dir / "
+                              "data.cache_dir elsewhere, then rerun the same command")
 
 
 def merge_parts(out_dir: str | Path, world: int) -> dict:

@@ -109,8 +109,8 @@ def regenerate(
     batches, skipped_long = plan_batches(target.tokenizer, conversations, turns, batch_size, max_prompt_tokens)
     decoder = None
     new_tokens, t0 = 0, time.perf_counter()
-    with open(mine, "a", encoding="utf-8") as f:
-        for b, batch in enumerate(tqdm(batches, desc="regenerate", unit="batch", position=rank)):
+    with open(mine, "a", encoding="utf-8") as f, tqdm(batches, desc="regenerate", unit="batch", position=rank) as bar:
+        for b, batch in enumerate(bar):
             if b % world != rank or all(i in done for _, i, _, _ in batch):
                 continue
             decoder = decoder or (ServerChat(server) if backend == "openai" else RuntimeChat(target, dtype))

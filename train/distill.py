@@ -11,9 +11,11 @@ same arguments (train/distributed.py); the data stage and every file are the mai
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -138,6 +140,29 @@ def multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+WRITE_FAILURES = ("No space left on device", "code: 28", "iostream error", "unexpected pos",
+                  "PytorchStreamWriter failed")  # ENOSPC as safetensors' and torch.save's own errors word it
+
+
+def disk_full(e: BaseException | None) -> bool:
+    """A full disk, as OSError(ENOSPC) or wrapped by safetensors / torch.save (checked down the exception chain)."""
+    while e is not None:
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or any(w in str(e) for w in WRITE_FAILURES):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def disk_full_message(e: BaseException, out: Path) -> str:
+    """Where the disk filled up, how much is free, and that a rerun resumes (every progress file is written
+    atomically or appended, so nothing written before the failure is lost)."""
+    where = getattr(e, "filename", None) or out
+    free = shutil.disk_usage(out if out.exists() else Path.cwd()).free
+    return (f"the disk is full while writing '{where}' ({free / 2**20:.1f} MiB free on {out}'s filesystem); free "
+            f"space (data/features need about data.shard_mb per shard, checkpoints about 16 bytes per head "
+            f"parameter) and rerun the same command: it resumes where it stopped")
+
+
 def check_writable(out: Path) -> None:
     """Before any work: the output directory exists (or can be made) and takes files."""
     try:
@@ -249,6 +274,11 @@ def main(cfg: DictConfig) -> None:
         run(cfg)
     except DraftheadsError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except Exception as e:  # a full disk surfaces as OSError, or as safetensors' own error around it
+        if not disk_full(e):
+            raise
+        print(f"error: {disk_full_message(e, Path(cfg.output_dir))}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -120,16 +120,18 @@ class RunLog:
         line; the file is replaced atomically, never rewritten in place."""
         if not self.main or not self.path.exists():
             return
-        lines = self.path.read_bytes().split(b"\n")
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1  # a last line without its newline is torn, even when it parses
+        lines = [line for line in data[:end].split(b"\n") if line]
         kept = []
         for line in lines:
             try:
                 row = json.loads(line)
             except ValueError:
-                continue  # empty, or the half-written last line of a killed run
+                continue  # a damaged line
             if not (row.get("stage") == stage and row.get("step", 0) > step):
                 kept.append(line)
-        if len(kept) != sum(1 for line in lines if line):
+        if len(kept) != len(lines) or end != len(data):
             write_atomic(self.path, b"".join(line + b"\n" for line in kept))
 
     def restart(self, stage: str) -> None:
@@ -226,6 +228,28 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
     from tqdm import tqdm
 
     bar = tqdm(total=stage.steps, initial=step, desc=stage.name, disable=not main)
+    try:
+        step, logged = _steps(accelerator, model, optimizer, stage, tc, log, shard, step, best, bar, stop_at_step)
+    finally:
+        bar.close()  # also on an error: the bar's last line must not print after the error message
+    if step < stage.steps:
+        return False, None, logged
+    best = _read_best(stage.ckpt_root) if stage.keep_best else None
+    if best is not None:
+        if main:
+            print(f"[draftheads] {stage.name}: kept the step-{best['step']} weights (lowest val_loss "
+                  f"{best['val_loss']:.4f})")
+        from safetensors.torch import load_file
+
+        state = load_file(stage.ckpt_root / "best" / "model.safetensors") if main else None
+        return True, state, {**logged, "best_step": best["step"], "best_val_loss": best["val_loss"]}
+    return True, _full_state(accelerator, model), logged
+
+
+def _steps(accelerator, model, optimizer, stage: Stage, tc, log: RunLog, shard: Shard, step: int, best, bar,
+           stop_at_step):
+    """The optimizer steps from `step` to stage.steps (or a simulated kill): returns (step reached, last metrics)."""
+    A = tc.grad_accum
     window, logged, t0 = Tally(), {}, time.perf_counter()
     sleep = float(os.environ.get("DRAFTHEADS_TEST_STEP_SLEEP", "0"))  # tests: widen the window a kill can land in
     while step < stage.steps:
@@ -275,18 +299,7 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
             time.sleep(sleep)
         if stop_at_step is not None and step >= stop_at_step:  # tests: simulate a kill after this step
             break
-    bar.close()
-    if step < stage.steps:
-        return False, None, logged
-    if best is not None:
-        if main:
-            print(f"[draftheads] {stage.name}: kept the step-{best['step']} weights (lowest val_loss "
-                  f"{best['val_loss']:.4f})")
-        from safetensors.torch import load_file
-
-        state = load_file(stage.ckpt_root / "best" / "model.safetensors") if main else None
-        return True, state, {**logged, "best_step": best["step"], "best_val_loss": best["val_loss"]}
-    return True, _full_state(accelerator, model), logged
+    return step, logged
 
 
 # ---------------------------------------------------------------------------------------------

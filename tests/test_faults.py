@@ -1,0 +1,101 @@
+"""Faults injected where progress is written: a file cut at many byte offsets, a full disk, kill -9 at random moments.
+Each resumes to exactly what an uninterrupted run writes, and a full disk is one clear line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data.regenerate import regenerate
+from train.loop import RunLog
+
+ROOT = Path(__file__).resolve().parents[1]
+CONVS = [[{"role": "user", "content": f"tell me about {i} " * (1 + i % 3)}, {"role": "assistant", "content": "x"}]
+         for i in range(12)]
+
+
+def test_regeneration_cut_at_any_byte_resumes_to_the_same_records(tiny_target, tmp_path):
+    kw = dict(max_new=10, batch_size=4, temperature=1.0, seed=5)
+    regenerate(tiny_target, CONVS, tmp_path / "ref.jsonl", **kw)
+    ref = (tmp_path / "ref.jsonl").read_bytes()
+    ends = [i + 1 for i, b in enumerate(ref) if b == ord("\n")]
+    offsets = sorted({0, len(ref) - 1, *ends, *(e - 1 for e in ends), *range(0, len(ref), len(ref) // 23)})
+    for cut in offsets:
+        path = tmp_path / f"cut_{cut}.jsonl"
+        path.write_bytes(ref[:cut])
+        regenerate(tiny_target, CONVS, path, **kw)
+        assert path.read_bytes() == ref, cut  # no record lost, none twice, same order
+    assert len(offsets) >= 30
+
+
+def test_metrics_cut_at_any_byte_keep_every_complete_line_once(tmp_path):
+    rows = [{"stage": "soft_label", "step": s, "loss": 1.0 / s} for s in range(1, 9)]
+    full = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    for cut in range(len(full)):
+        path = tmp_path / "metrics.jsonl"
+        path.write_bytes(full[:cut])
+        RunLog(path, main=True).resume("soft_label", 4)  # resumed from the step-4 checkpoint
+        kept = [json.loads(x) for x in path.read_text().splitlines()]
+        complete = full[:cut].count(b"\n")
+        assert [r["step"] for r in kept] == list(range(1, min(complete, 4) + 1)), cut
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+ARGS = [sys.executable, "-m", "train.distill", "+experiment=smoke", "data.max_records=8", "train.steps=4", "eval.limit=0",
+        "runtime.threads=1"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    assert subprocess.run([*ARGS, f"output_dir={out}"], cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+    return out
+
+
+@pytest.mark.parametrize("size,message", [
+    ("400k", "needs 0.5 MiB for the remaining features but its disk has 0.4 MiB free"),  # checked before extracting
+    ("560k", "the disk is full while writing"),  # the features fit, a later write fills the disk
+    ("900k", "the disk is full while writing"),  # torch.save of a checkpoint runs out
+])
+def test_a_full_disk_is_one_clear_line_and_the_rerun_resumes(reference, tmp_path, size, message):
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, size):
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        r = subprocess.run([*ARGS, f"output_dir={disk}/run"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert message in last and str(disk) in last and "rerun the same command" in last, last
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        again = subprocess.run([*ARGS, f"output_dir={disk}/run"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300)
+        assert again.returncode == 0, again.stderr[-2000:]
+        for name in ("data/regenerated.jsonl", "data/features/shard_00000.safetensors", "head/model.safetensors"):
+            assert (disk / "run" / name).read_bytes() == (reference / name).read_bytes(), name
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_kill_9_at_random_moments_resumes_to_the_uninterrupted_outputs(tmp_path):
+    """A short run of eval/kill_harness.py (the full one: 50 kills, marked slow below)."""
+    from eval.kill_harness import run_harness
+
+    result = run_harness(kills=2, out=tmp_path, seed=1)
+    assert result["all_equal"] and result["kills"] >= 2 and result["max_weight_diff"] <= 1e-6, result
+
+
+@pytest.mark.slow
+def test_kill_9_at_fifty_random_moments(tmp_path):
+    from eval.kill_harness import run_harness
+
+    result = run_harness(kills=50, out=tmp_path, seed=0)
+    print(json.dumps({k: v for k, v in result.items() if k != "details"}))
+    assert result["all_equal"] and result["kills"] >= 50, result
