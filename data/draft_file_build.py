@@ -31,8 +31,10 @@ on disk), then at the chosen min-count.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -65,16 +67,39 @@ def _entry_bytes(spec: WindowSpec) -> int:  # tokens and prefix counts of one en
 
 
 MAX_GROUPS = 512  # spill files open at once
+MERGE_CHUNK_BYTES = 1 << 27  # a merge step's memory (two in flight): larger steps are not faster
 RUN_BUCKET_BITS = 12  # a run's keys are indexed by their top bits, so a merge step reads a bucket range
-BATCH_CHARS = 1 << 22  # characters per tokenizer batch
-STREAM_CHUNK = 1 << 22  # tokens per step when scanning the token stream
+BATCH_CHARS = 1 << 20  # characters per tokenizer batch (two in flight: their encodings are ~100 B a token)
+STREAM_CHUNK = 1 << 20  # tokens per step when scanning the token stream (~60 B a token of temporaries)
 
 
 # ---------------------------------------------------------------------------------------------
 # 1. tokenizing
 # ---------------------------------------------------------------------------------------------
+PIECE_CHARS = 1 << 16  # a longer document is encoded in pieces: bounded tokenizer memory, balanced threads
+PIECE_CUT = re.compile(r"(?<=.)(?=\n\S)", re.S)  # before a newline that ends a whitespace run and starts a line
+PROBE = ("import os\n\n\nclass A(B):\n    def f(self, x=1):  # note\n        return {'a': [x, 2.5e-3]}\n\n"
+         "Hello, world! It's 12345 o'clock.\nWie geht's? Ça va. 中文文本。\n\tTabbed\nend;\r\nnext  \n\nx\n"
+         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n- item\n#include <x>\n}\n@decorator\n")
+
+
+def _pieces(text: str) -> list[str]:
+    """A long text cut every ~PIECE_CHARS before a newline that ends a whitespace run and starts a line. A GPT-2
+    style pre-tokenizer makes that newline a piece of its own, and the run before it (cut or not) another, so
+    the tokens do not change."""
+    if len(text) <= PIECE_CHARS:
+        return [text]
+    cuts, at = [0], PIECE_CHARS
+    while at < len(text) and (m := PIECE_CUT.search(text, at)):
+        cuts.append(m.start())
+        at = m.start() + PIECE_CHARS
+    return [text[a:b] for a, b in zip(cuts, cuts[1:] + [len(text)])]
+
+
 def _encoder(tokenizer):
-    """texts -> token id lists, through the fast tokenizer's batch encoder when there is one (no offsets kept)."""
+    """texts -> token id lists, through the fast tokenizer's batch encoder when there is one (no offsets kept),
+    long documents in pieces when the tokenizer gives the same ids for PROBE cut at every PIECE_CUT (a prefix
+    space, a normalizer or an added token spanning a newline would not)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -84,8 +109,23 @@ def _encoder(tokenizer):
         backend = Tokenizer.from_str(backend.to_str())
         backend.no_truncation()
         backend.no_padding()
-    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    return lambda texts: [e.ids for e in encode(texts, add_special_tokens=False)]
+    encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+    def whole(texts):
+        return [e.ids for e in encode_batch(texts, add_special_tokens=False)]
+
+    cuts = [0] + [m.start() for m in PIECE_CUT.finditer(PROBE)] + [len(PROBE)]
+    pieces = [PROBE[a:b] for a, b in zip(cuts, cuts[1:])]
+    added = [t.content for t in backend.get_added_tokens_decoder().values()]
+    if sum(whole(pieces), []) != whole([PROBE])[0] or any("\n" in t for t in added):
+        return whole
+
+    def in_pieces(texts):
+        split = [_pieces(t) for t in texts]
+        ids = iter(whole([p for ps in split for p in ps]))
+        return [next(ids) if len(ps) == 1 else sum((next(ids) for _ in ps), []) for ps in split]
+
+    return in_pieces
 
 
 def iter_token_batches(paths: Iterable[str], tokenizer, batch_chars: int = BATCH_CHARS) -> Iterator[list]:
@@ -109,7 +149,9 @@ def iter_token_batches(paths: Iterable[str], tokenizer, batch_chars: int = BATCH
 
     def done(job):
         ids, texts = job[0].result(), job[1]
-        return [(np.asarray(i, dtype=np.int64), t) for i, t in zip(ids, texts)]
+        lens = [len(i) for i in ids]
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=sum(lens))
+        return list(zip(np.split(flat, np.cumsum(lens)[:-1]), texts))
 
     with ThreadPoolExecutor(1) as pool:
         pending = None
@@ -144,7 +186,7 @@ class _Documents:
         if not docs:
             return
         lens = np.array([len(d) for d in docs])
-        flat = np.concatenate(docs).astype(self.tdt)
+        flat = np.concatenate(docs, dtype=self.tdt, casting="unsafe")  # ids were checked against the vocabulary
         flat.tofile(self.f)
         ends = np.cumsum(lens)
         self.ends.append(self.n + ends)
@@ -320,7 +362,7 @@ class _Counter:
     def merged(self, runs: list[dict]) -> Iterator[dict]:
         """All runs' keys in key order, a range of buckets at a time (as much as the memory budget holds)."""
         per_bucket = sum(np.diff(r["entry_bounds"]) for r in runs)
-        limit = max(1, self.memory // _merge_bytes_per_entry(self.spec))
+        limit = max(1, min(self.memory, MERGE_CHUNK_BYTES) // _merge_bytes_per_entry(self.spec))
         b0 = 0
         while b0 < len(per_bucket):
             b1 = b0 + max(1, int(np.searchsorted(np.cumsum(per_bucket[b0:]), limit, side="right")))
@@ -478,7 +520,7 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
 
     from models.target import tokenizer_hash
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     orders = tuple(sorted(int(o) for o in orders))
     if not orders or orders[0] < 1 or continuations < 1 or max_len < 1 or min_count < 1:
         raise DraftheadsError(f"draft file build needs orders >= 1, continuations >= 1, max-len >= 1, min-count >= 1; "
@@ -525,6 +567,7 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
 
         counter = _Counter(tmp, docs, spec, memory, threads, log)
         counter.spill()
+        log(f"[draft_file] spilled window starts in {time.perf_counter() - t0 - t_tok:.1f}s")
         vtokens = np.fromfile(val.path, dtype=tdt) if n_val else np.empty(0, tdt)
         floor = 1 if coverage is not None else min_count
         stats = _Validation(vtokens, val_offsets, orders, floor)
@@ -533,8 +576,11 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
                                   "raise --validation (fraction of documents) or pass --min-count instead")
 
         def count(threshold, entries, measure, sorted_io):
+            t = time.perf_counter()
             with bar(total=counter.windows, unit="window", unit_scale=True, desc=f"count min-count {threshold}") as pb:
-                return counter.count(threshold, entries, measure, sorted_io, pb)
+                runs = counter.count(threshold, entries, measure, sorted_io, pb)
+            log(f"[draft_file] counted at min-count {threshold} in {time.perf_counter() - t:.1f}s")
+            return runs
 
         runs = count(floor, coverage is None, stats, "save" if coverage is not None else None)
         curve = stats.curve(orders, max_len, tdt)
@@ -565,14 +611,19 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
             "file_bytes": f.header["file_bytes"], "table_bytes": f.header["table_bytes"], "min_count": min_count,
             "tokenize_s": round(t_tok, 2), "count_s": round(t_count, 2),
             "write_s": round(time.perf_counter() - t0 - t_tok - t_count, 2), "total_s": round(time.perf_counter() - t0, 2),
+            "cpu_s": round(time.process_time() - cpu0, 2),  # all threads: the work, whatever else ran on the CPUs
             "threads": threads, "partitions": counter.n_parts, "groups": counter.n_groups,
             "spread_first_tokens": int((counter.pieces > 1).sum()), "selected": selected}
 
 
 def _counted(chunks: Iterator[dict], pbar) -> Iterator[dict]:
-    for c in chunks:
-        pbar.update(len(c["keys"]))
-        yield c
+    """The merged chunks, the next one prepared on a thread while this one is written."""
+    with ThreadPoolExecutor(1) as pool:
+        job = pool.submit(next, chunks, None)
+        while (c := job.result()) is not None:
+            job = pool.submit(next, chunks, None)
+            pbar.update(len(c["keys"]))
+            yield c
 
 
 def _corpus_chars(paths: list[str]) -> int:
