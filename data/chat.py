@@ -16,6 +16,7 @@ from torch import Tensor
 
 from data.readers import Conversation
 from models.errors import DraftheadsError
+from models.target import prompt_ids  # noqa: F401 (the chat helpers live together for callers; defined below data)
 
 
 @dataclass
@@ -82,11 +83,3 @@ def tokenize_text(tokenizer, text: str, max_length: int | None = None, overlong:
     mask = torch.ones(len(ids), dtype=torch.bool)
     mask[:1] = False
     return TokenizedChat(torch.tensor(ids, dtype=torch.long), mask, truncated)
-
-
-def prompt_ids(tokenizer, conv: Conversation) -> Tensor:
-    """Ids of a chat ending with a user turn, followed by the assistant generation prompt: [T] int64."""
-    ids = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
-    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)

@@ -1,6 +1,6 @@
 """Acceptance benchmark: tau and per-position acceptance of a draft source against the target, per category.
 
-    python -m eval.acceptance --prompts ../shared/bench/spec_bench_dev.jsonl --source prompt_lookup \
+    python -m eval.acceptance --prompts eval/data/spec_bench_dev.jsonl --source prompt_lookup \
         --temperature 0 --max-new 64 --k 4 --categories mt_bench --limit 16 --out outputs/acc/pl_k4.json
 
 Multi-turn prompts are answered turn by turn: turn 2 follows the target's own turn-1 answer, each turn

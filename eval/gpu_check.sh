@@ -7,7 +7,7 @@
 # source (PYTHONPATH), nothing is installed. Target: $TARGET_PATH (a saved SmolLM2 directory) if given, else
 # the converted cache of this project if present, else random weights with SmolLM2-135M's shapes
 # (`random-smollm2-shape`: per-step costs are real, acceptance is not). Prompts: $PROMPTS, else
-# shared/bench or ../shared/bench. Every step has its own timeout; a failing step is reported, the rest run.
+# eval/data (the repository's copy). Every step has its own timeout; a failing step is reported, the rest run.
 # Writes OUT_DIR/<step>.log and OUT_DIR/summary.jsonl (the last JSON line of each benchmark).
 set -u
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ export TRITON_DEFAULT_FP_FUSION=1
 start=$(date +%s)
 
 PROMPTS=${PROMPTS:-}
-for p in shared/bench/spec_bench_dev.jsonl ../shared/bench/spec_bench_dev.jsonl; do
+for p in eval/data/spec_bench_dev.jsonl shared/bench/spec_bench_dev.jsonl; do
   [ -z "$PROMPTS" ] && [ -f "$p" ] && PROMPTS=$p
 done
 if [ -z "$PROMPTS" ]; then echo "no prompts: set PROMPTS=/path/to/spec_bench_dev.jsonl" >&2; exit 2; fi

@@ -1,7 +1,7 @@
 """Speedup benchmark: tokens/s of plain vs speculative decoding in the same runtime, plus HF baselines.
 
     python -m eval.speedup --target smollm2-135m-instruct --source prompt_lookup \
-        --prompts ../shared/bench/spec_bench_dev.jsonl --max-new 64 --temperature 0 --limit 8 --check-lossless
+        --prompts eval/data/spec_bench_dev.jsonl --max-new 64 --temperature 0 --limit 8 --check-lossless
 
 Rows: `plain` (our runtime, no source), `spec` (our runtime + source), `hf_generate` (transformers
 `generate`, batch 1) and `hf_prompt_lookup` (`generate(prompt_lookup_num_tokens=K)`, batch 1). Every

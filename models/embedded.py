@@ -105,8 +105,8 @@ def same_drafts(head, target, loaded_target, loaded_head, n_contexts: int = 8) -
     x[:t] of one chat prompt for n_contexts cut points (features from each target's own forward)."""
     import torch
 
-    from data.chat import prompt_ids
     from models.peagle import DraftCache
+    from models.target import prompt_ids
 
     ids = prompt_ids(target.tokenizer, [{"role": "user", "content": "Explain speculative decoding in two sentences."}])
     drafts = []

@@ -50,6 +50,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads"))
 
 
+def prompt_ids(tokenizer, conv: list[dict]) -> Tensor:
+    """Ids of a chat ending with a user turn, followed by the assistant generation prompt: [T] int64."""
+    ids = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
 def tokenizer_hash(tokenizer) -> str:
     """Stable hash of the vocabulary and special tokens: equal hashes mean equal token ids."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
