@@ -263,6 +263,12 @@ def check_config(cfg) -> None:
         ok, why = rule(node)
         if not ok:
             raise DraftheadsError(f"{name}={node} {why}; fix it on the command line or in the experiment file")
+    from models.checkpoint import FAMILY_OPTIONS
+
+    unknown = sorted(set(cfg.draft.extra) - set(FAMILY_OPTIONS[cfg.draft.family]))
+    if unknown:
+        raise DraftheadsError(f"draft.extra.{unknown[0]} is not an option of draft.family={cfg.draft.family}; it "
+                              f"takes {list(FAMILY_OPTIONS[cfg.draft.family]) or 'none'}")
 
 
 def check_args(args, rules: dict[str, Callable]) -> None:

@@ -170,10 +170,8 @@ class RuntimeChat:
 
     def __init__(self, target: Target, dtype: str):
         torch_dtype = _parse_dtype(dtype)
-        # the model's capture hooks are bound to `target`: the memo keeps them pointing at it instead of copying it
         self.target = target if torch_dtype == target.dtype else Target(
-            copy.deepcopy(target.model, memo={id(target): target}).to(torch_dtype), target.tokenizer, target.name,
-            target.layer_ids)
+            copy.deepcopy(target.model).to(torch_dtype), target.tokenizer, target.name, target.layer_ids)
 
     def generate(self, chats: list[Conversation], max_new: int, temperature: float,
                  gen: torch.Generator) -> tuple[list[tuple[str, bool]], int]:

@@ -31,6 +31,9 @@ FORMAT = "draftheads-draft"
 FORMAT_VERSION = 1
 FAMILIES = {"peagle": PEagleDrafter, "eagle3": PEagleDrafter, "medusa": MedusaHeads, "dspark": DSparkDrafter,
             "dflash": DSparkDrafter}
+# draft.extra: the options each family takes (conf.schema.check_config refuses others before any work)
+FAMILY_OPTIONS = {"peagle": ("norm_before_residual",), "eagle3": ("norm_before_residual",), "medusa": (),
+                  "dspark": ("sequential", "rank"), "dflash": ("rank",)}
 CHECKED_KEYS = ("vocab_size", "hidden_size", "tokenizer_hash", "layer_ids")
 
 
@@ -174,17 +177,17 @@ def head_from_state(family: str, sizes: dict, state: dict, target, what: str, de
 def build_draft(family: str, target, k: int, num_layers: int = 1, parallel: bool = True, draft_vocab=None,
                 share_lm_head: bool = True, extra: dict | None = None):
     """A fresh head of `family` sized for `target` (flat parameters; the trainer maps cfg.draft onto these).
-    `extra` (draft.extra) holds family knobs: dspark takes sequential (markov | rnn) and rank."""
+    `extra` (draft.extra) holds family knobs (FAMILY_OPTIONS): a key the family does not take is an error."""
     from models.dspark import dspark_for_target
     from models.medusa import medusa_for_target
     from models.peagle import peagle_for_target
 
     extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(FAMILY_OPTIONS.get(family, ())))
+    if unknown:
+        raise DraftheadsError(f"draft.extra has {unknown}, unknown to draft.family={family}; it takes "
+                              f"{list(FAMILY_OPTIONS.get(family, ())) or 'no options'}")
     if family in ("dspark", "dflash"):
-        unknown = sorted(set(extra) - {"sequential", "rank"})
-        if unknown:
-            raise DraftheadsError(f"draft.extra has {unknown}, unknown to draft.family={family}; "
-                                  "it takes sequential (markov | rnn) and rank")
         if family == "dflash":
             extra["sequential"] = "none"
         elif extra.get("sequential", "markov") == "none":
@@ -193,7 +196,8 @@ def build_draft(family: str, target, k: int, num_layers: int = 1, parallel: bool
         return dspark_for_target(target, k, num_layers, draft_vocab, **extra)
 
     if family in ("peagle", "eagle3"):
-        return peagle_for_target(target, k, num_layers, parallel=parallel and family == "peagle", draft_vocab=draft_vocab)
+        return peagle_for_target(target, k, num_layers, parallel=parallel and family == "peagle", draft_vocab=draft_vocab,
+                                 **extra)
     if family == "medusa":
         return medusa_for_target(target, k, num_layers, share_lm_head, draft_vocab)
     raise DraftheadsError(f"draft.family '{family}' is not trainable here; pick one of {sorted(FAMILIES)}")

@@ -103,21 +103,15 @@ class Target:
 
     # -- capture -------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
+        """The hooks hold the capture dict only, not this Target: a deep copy of the model (a decoding copy in
+        another dtype) then copies a dict, not the Target and what it has built (packed weights)."""
+        captured = self._captured
         decoder_layers = self.model.model.layers
         for i in set(self.layer_ids):
             # layer i's input; for i == L that is the final norm's input (last layer output, pre-norm)
             module = decoder_layers[i] if i < self.num_layers else self.model.model.norm
-            module.register_forward_pre_hook(self._make_pre_hook(i), with_kwargs=True)
-        self.model.model.norm.register_forward_hook(self._final_hook)
-
-    def _make_pre_hook(self, i: int):
-        def hook(_module, args, kwargs):
-            self._captured[i] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
-
-    def _final_hook(self, _module, _args, output):
-        self._captured["final"] = output
+            module.register_forward_pre_hook(_capture_input(captured, i), with_kwargs=True)
+        self.model.model.norm.register_forward_hook(_capture_output(captured, "final"))
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -189,6 +183,20 @@ class Target:
 # ---------------------------------------------------------------------------------------------
 # loading
 # ---------------------------------------------------------------------------------------------
+def _capture_input(captured: dict, key):
+    def hook(_module, args, kwargs):
+        captured[key] = args[0] if args else kwargs["hidden_states"]
+
+    return hook
+
+
+def _capture_output(captured: dict, key):
+    def hook(_module, _args, output):
+        captured[key] = output
+
+    return hook
+
+
 def load_target(
     name: str = DEFAULT_TARGET,
     path: str | None = None,

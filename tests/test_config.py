@@ -111,3 +111,23 @@ def test_an_unwritable_output_dir_is_refused_before_any_work(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-1000:]
     assert r.stderr.strip().splitlines()[-1] == (f"error: output_dir '{tmp_path}/file/run' is not writable (Not a "
                                                  "directory); pick another output_dir")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["draft=peagle", "+draft.extra.norm_before_residul=true"], "draft.extra.norm_before_residul is not an option of "
+                                                                "draft.family=peagle; it takes ['norm_before_residual']"),
+    (["draft=medusa", "+draft.extra.rank=8"], "draft.extra.rank is not an option of draft.family=medusa; it takes none"),
+])
+def test_a_typo_in_a_family_option_is_refused_before_any_work(overrides, message):
+    from conf.schema import check_config
+    from models.errors import DraftheadsError
+
+    with pytest.raises(DraftheadsError, match=re.escape(message)):
+        check_config(_compose(["+experiment=smoke", *overrides]))
+
+
+def test_norm_before_residual_reaches_the_head(tiny_target):
+    from models.checkpoint import build_draft
+
+    head = build_draft("peagle", tiny_target, 3, extra={"norm_before_residual": True})
+    assert head.config["norm_before_residual"] is True and head.layers[0].norm_before_residual
