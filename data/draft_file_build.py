@@ -111,8 +111,15 @@ def _encoder(tokenizer):
         backend.no_padding()
     encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
 
-    def whole(texts):
-        return [e.ids for e in encode_batch(texts, add_special_tokens=False)]
+    def whole(texts):  # at most BATCH_CHARS at once: the encoder's own objects take ~100 B a character
+        ids, at = [], 0
+        while at < len(texts):
+            size, end = 0, at
+            while end < len(texts) and (end == at or size + len(texts[end]) <= BATCH_CHARS):
+                size, end = size + len(texts[end]), end + 1
+            ids += [e.ids for e in encode_batch(texts[at:end], add_special_tokens=False)]
+            at = end
+        return ids
 
     cuts = [0] + [m.start() for m in PIECE_CUT.finditer(PROBE)] + [len(PROBE)]
     pieces = [PROBE[a:b] for a, b in zip(cuts, cuts[1:])]
@@ -123,7 +130,7 @@ def _encoder(tokenizer):
     def in_pieces(texts):
         split = [_pieces(t) for t in texts]
         ids = iter(whole([p for ps in split for p in ps]))
-        return [next(ids) if len(ps) == 1 else sum((next(ids) for _ in ps), []) for ps in split]
+        return [next(ids) if len(ps) == 1 else list(itertools.chain.from_iterable(next(ids) for _ in ps)) for ps in split]
 
     return in_pieces
 

@@ -1,13 +1,14 @@
 """Draft-file benchmark: build throughput and memory at several corpus sizes with the 1B-token extrapolation,
 file size, coverage, lookup latency (single and batched), hot/cold hit rates, tau.
 
-    # the measurement, on 2 idle cores (~15-25 min): builds at ~25M, ~50M and ~100M tokens of Python sources and
-    # ShareGPT chats, then lookups and hot/cold on the largest file
-    RAYON_NUM_THREADS=2 python -m eval.draft_file_bench --out outputs/draft_file/big.dfl \
-        --tokens 25e6,50e6,100e6 --threads 2 --coverage 0.2 2>&1 | tee outputs/draft_file/bench_2core.log
+    # the measurement, on 2 idle cores (~10 min; the first run also writes the corpus, ~1 min): builds of
+    # ~25M, ~50M and ~100M tokens at min-count 2, then lookups and hot/cold placement on the largest file
+    mkdir -p outputs/draft_file && RAYON_NUM_THREADS=2 .venv/bin/python -m eval.draft_file_bench --out outputs/draft_file/big.dfl \
+        --tokens 25e6,50e6,100e6 --threads 2 > outputs/draft_file/bench_2core.json
     # per core, while developing (the tokenizer's pool, numpy and the workers on one CPU):
-    RAYON_NUM_THREADS=1 OMP_NUM_THREADS=1 taskset -c 1 python -m eval.draft_file_bench \
-        --out outputs/draft_file/dev.dfl --tokens 25e6 --threads 1 --coverage 0.2
+    RAYON_NUM_THREADS=1 OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python -m eval.draft_file_bench \
+        --out outputs/draft_file/dev.dfl --tokens 25e6,50e6 --threads 1 > outputs/draft_file/bench_1core.json
+    # --coverage C sizes each table for validation coverage C instead (a second count pass per build)
     # tau on HumanEval (code) and MT-bench (chat), K = 4 and 8, prompt lookup alone vs file + prompt lookup:
     python -m eval.draft_file_bench --tau-only --out outputs/draft_file/big.dfl --tau-limit 8 --max-new 64
     # or through eval.acceptance ("draft_file" is registered in inference/sources/__init__.py; the bench
@@ -209,7 +210,7 @@ def extrapolate(rows: list[dict], at: float = 1e9) -> dict:
     """Build seconds and file bytes at `at` tokens from the measured sizes: a line, and a power law."""
     n = np.array([r["tokens"] for r in rows], dtype=float)
     out = {"tokens": int(at)}
-    for key in ("total_s", "file_bytes", "peak_anon_mb"):
+    for key in ("total_s", "cpu_s", "file_bytes", "peak_anon_mb"):
         y = np.array([r[key] for r in rows], dtype=float)
         if len(rows) < 2:
             out[key] = {"linear": round(float(y[0] * at / n[0]), 1)}
@@ -257,6 +258,7 @@ def main(argv=None) -> None:
             anon.running = False
             row = {**{k: v for k, v in report.items() if k != "selected"},
                    "tokens_per_s": round(report["tokens"] / report["total_s"]),
+                   "tokens_per_cpu_s": round(report["tokens"] / report["cpu_s"]),
                    "peak_anon_mb": round(anon.peak_mb - before)}  # what the build added to the process
             result["builds"].append(row)
             print(json.dumps({"build": row}), file=sys.stderr, flush=True)
