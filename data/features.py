@@ -62,7 +62,7 @@ def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out
     lo, hi = part_block(len(sequences), rank, world)
     name = MANIFEST if world == 1 else f"part_{rank}-of-{world}.json"
     mpath = out / name
-    manifest = json.loads(mpath.read_text()) if mpath.exists() else None
+    manifest = _read_manifest(mpath) if mpath.exists() else None
     if manifest is not None:
         target.check_fingerprint(manifest["fingerprint"], f"feature directory '{out}'", keys=(
             "vocab_size", "hidden_size", "tokenizer_hash", "layer_ids"))
@@ -143,13 +143,23 @@ def _check_space(out: Path, needed: int) -> None:
 def merge_parts(out_dir: str | Path, world: int) -> dict:
     """The main process, after every rank finished its part: manifest.json lists the parts' shards in order."""
     out = Path(out_dir)
-    parts = [json.loads((out / f"part_{r}-of-{world}.json").read_text()) for r in range(world)]
+    parts = [_read_manifest(out / f"part_{r}-of-{world}.json") for r in range(world)]
     if not all(p["complete"] for p in parts):
         raise DraftheadsError(f"feature directory '{out}': a rank's part is incomplete; rerun the same command")
     merged = {**parts[0], "shards": [s for p in parts for s in p["shards"]],
               "sequences_done": sum(p["sequences_done"] for p in parts), "complete": True, "parts": world}
     _write_json_atomic(out / MANIFEST, merged)
     return merged
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads(path.read_text())
+        manifest["shards"], manifest["fingerprint"]  # noqa: B018 (the keys every reader needs)
+        return manifest
+    except (OSError, ValueError, KeyError, TypeError):
+        raise DraftheadsError(f"feature manifest '{path}' is damaged; delete '{path.parent}' and rerun the same command "
+                              "to extract the features again") from None
 
 
 def _changed(out: Path, done: int, now: int) -> DraftheadsError:
@@ -296,7 +306,7 @@ class FeatureDataset:
         mpath = self.dir / MANIFEST
         if not mpath.exists():
             raise DraftheadsError(f"'{self.dir}' is not a feature directory (no {MANIFEST}); run the data stage first")
-        self.manifest = json.loads(mpath.read_text())
+        self.manifest = _read_manifest(mpath)
         if not self.manifest.get("complete"):
             raise DraftheadsError(f"feature directory '{self.dir}' is incomplete (a killed run?); rerun the same "
                                   "command to resume it")

@@ -51,13 +51,13 @@ def data_settings(d, fingerprint: dict, seed: int) -> dict:
 def ready_report(out_dir: str | Path, settings: dict) -> dict | None:
     """The data report when the directory holds complete data made with exactly `settings`, else None."""
     out = Path(out_dir)
-    report_path = out / "data_report.json"
-    if not report_path.is_file():
-        return None
-    report = json.loads(report_path.read_text())
-    if report.get("settings", {}).get("sha256") != settings["sha256"]:
-        return None
-    if settings["features"] != "none" and not json.loads((out / "features" / MANIFEST).read_text()).get("complete"):
+    try:
+        report = json.loads((out / "data_report.json").read_text())
+        if report.get("settings", {}).get("sha256") != settings["sha256"]:
+            return None
+        if settings["features"] != "none" and not json.loads((out / "features" / MANIFEST).read_text())["complete"]:
+            return None
+    except (OSError, ValueError, KeyError):  # missing or damaged: the data stage checks (and resumes) everything
         return None
     return report
 

@@ -48,10 +48,15 @@ def _read_done(path: Path) -> dict[int, dict]:
     end = data.rfind(b"\n") + 1  # complete lines end with \n; what follows the last one is torn
     if end < len(data):
         os.truncate(path, end)
-    for line in data[:end].split(b"\n"):  # not splitlines(): text may hold U+2028, U+0085
+    for lineno, line in enumerate(data[:end].split(b"\n"), 1):  # not splitlines(): text may hold U+2028, U+0085
         if line.strip():
-            rec = json.loads(line)
-            done[rec["id"]] = rec
+            try:
+                rec = json.loads(line)
+                done[rec["id"]] = rec
+            except (ValueError, KeyError, TypeError):
+                raise DraftheadsError(f"'{path}' line {lineno} is not a regenerated record (no JSON object with an "
+                                      "'id'); remove that line (or the file, to regenerate everything) and rerun") \
+                    from None
     return done
 
 

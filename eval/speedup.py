@@ -30,6 +30,7 @@ import torch
 from data.chat import prompt_ids
 from conf.schema import at_least, check_args
 from eval.acceptance import CLI_RULES, load_prompts, parse_categories
+from eval.report import check_writable_file
 from inference.runtime import Runtime, RuntimeStats
 from inference.sampling import SamplingConfig
 from inference.schedulers import ConfidencePrefix, DynamicK
@@ -120,6 +121,8 @@ def timed(fn):
 
 def run(args: argparse.Namespace) -> tuple[dict, bool]:
     check_args(args, {**CLI_RULES, "k_max": at_least(1), "batch": at_least(1), "repeats": at_least(1)})
+    if args.out:
+        check_writable_file(args.out)
     torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))

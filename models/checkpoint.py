@@ -105,6 +105,10 @@ def read_draft_config(directory) -> dict:
         raise DraftheadsError(f"'{d}/config.json' is not a draftheads draft v<={FORMAT_VERSION} "
                               f"(format={config.get('format')!r}, version={config.get('format_version')!r}); "
                               "re-export it with this version of draftheads")
+    missing = [k for k in ("family", "k", "sizes", "target") if not config.get(k)]
+    if missing:
+        raise DraftheadsError(f"'{d}/config.json' lacks {missing}; the checkpoint is damaged: retrain it or copy it "
+                              "again")
     if config["family"] not in FAMILIES:
         raise DraftheadsError(f"draft checkpoint '{d}' has family '{config['family']}'; known: {sorted(FAMILIES)}")
     return {**config, "layout": "draftheads"}
@@ -135,10 +139,14 @@ def weight_files(d: Path) -> list[Path]:
 
 
 def read_weights(d: Path) -> dict:
-    """Every tensor of the directory's safetensors file(s), by name."""
+    """Every tensor of the directory's safetensors file(s), by name; a damaged file is a clear error naming it."""
     state = {}
     for f in weight_files(Path(d)):
-        state.update(load_file(f))
+        try:
+            state.update(load_file(f))
+        except Exception as e:  # safetensors' own error type for a truncated, empty or garbled file
+            raise DraftheadsError(f"'{f}' cannot be read ({type(e).__name__}: {e}); the head is damaged: retrain it "
+                                  "or copy it again") from None
     return state
 
 
@@ -153,7 +161,7 @@ def load_draft(directory, target, device=None, k: int | None = None):
             import_sglang(directory, target, k)
         return head.to(device=device or target.device)
     target.check_fingerprint(config["target"], f"draft head '{directory}'", keys=CHECKED_KEYS)
-    state = load_file(Path(directory) / "model.safetensors")
+    state = read_weights(Path(directory))
     return head_from_state(config["family"], config["sizes"], state, target, f"draft checkpoint '{directory}'", device)
 
 

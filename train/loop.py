@@ -212,7 +212,12 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
     step = 0
     last = newest_checkpoint(stage.ckpt_root)
     if last is not None:
-        accelerator.load_state(str(last))
+        try:
+            accelerator.load_state(str(last))
+        except Exception as e:  # a truncated or garbled model / optimizer file of a killed or damaged run
+            raise DraftheadsError(f"checkpoint '{last}' cannot be read ({type(e).__name__}: {str(e)[:200]}); delete "
+                                  "that directory to resume from the checkpoint before it, or set "
+                                  "train.resume=false to start the stage over") from None
         step = json.loads((last / "trainer_state.json").read_text())["step"]
         if main:
             print(f"[draftheads] {stage.name}: resumed from {last} (step {step})")
