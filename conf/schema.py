@@ -199,10 +199,17 @@ def each(rule: Callable) -> Callable:
     return check
 
 
+def _families() -> dict:
+    from models.families import FAMILIES  # the registry (imported when checking: conf stays importable alone)
+
+    return FAMILIES
+
+
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 RULES: dict[str, Callable] = {
     "target.dtype": one_of(*DTYPES), "target.layer_ids": each(at_least(0)),
-    "draft.family": one_of("peagle", "eagle3", "medusa", "dspark", "dflash"), "draft.k": between(1, 64),
+    "draft.family": lambda v: (v in _families(), f"must be one of {sorted(_families())} (models/families.py)"),
+    "draft.k": between(1, 64),
     "draft.num_layers": between(1, 64), "draft.draft_vocab_size": at_least(1), "draft.vocab_extend": at_least(0),
     "data.source": one_of("sharegpt", "chat_jsonl", "prompt_jsonl", "text_dir", "humaneval"),
     "data.max_records": at_least(1), "data.skip_records": at_least(0), "data.max_length": at_least(8),
@@ -263,12 +270,11 @@ def check_config(cfg) -> None:
         ok, why = rule(node)
         if not ok:
             raise DraftheadsError(f"{name}={node} {why}; fix it on the command line or in the experiment file")
-    from models.checkpoint import FAMILY_OPTIONS
-
-    unknown = sorted(set(cfg.draft.extra) - set(FAMILY_OPTIONS[cfg.draft.family]))
+    options = _families()[cfg.draft.family].options
+    unknown = sorted(set(cfg.draft.extra) - set(options))
     if unknown:
         raise DraftheadsError(f"draft.extra.{unknown[0]} is not an option of draft.family={cfg.draft.family}; it "
-                              f"takes {list(FAMILY_OPTIONS[cfg.draft.family]) or 'none'}")
+                              f"takes {list(options) or 'none'}")
 
 
 def check_args(args, rules: dict[str, Callable]) -> None:

@@ -22,18 +22,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.dspark import DSparkDrafter
 from models.errors import DraftheadsError
-from models.medusa import MedusaHeads
-from models.peagle import PEagleDrafter
+from models.families import FAMILIES, family
 
 FORMAT = "draftheads-draft"
 FORMAT_VERSION = 1
-FAMILIES = {"peagle": PEagleDrafter, "eagle3": PEagleDrafter, "medusa": MedusaHeads, "dspark": DSparkDrafter,
-            "dflash": DSparkDrafter}
-# draft.extra: the options each family takes (conf.schema.check_config refuses others before any work)
-FAMILY_OPTIONS = {"peagle": ("norm_before_residual",), "eagle3": ("norm_before_residual",), "medusa": (),
-                  "dspark": ("sequential", "rank"), "dflash": ("rank",)}
 CHECKED_KEYS = ("vocab_size", "hidden_size", "tokenizer_hash", "layer_ids")
 
 
@@ -165,10 +158,10 @@ def load_draft(directory, target, device=None, k: int | None = None):
     return head_from_state(config["family"], config["sizes"], state, target, f"draft checkpoint '{directory}'", device)
 
 
-def head_from_state(family: str, sizes: dict, state: dict, target, what: str, device=None,
+def head_from_state(family_name: str, sizes: dict, state: dict, target, what: str, device=None,
                     fix: str = "the file is damaged, retrain or re-save it"):
     """Build `family` from its recorded constructor sizes, load `state` strictly, attach to `target`, eval mode."""
-    head = FAMILIES[family](**sizes)
+    head = family(family_name).head(**sizes)
     want = head.state_dict()
     missing = [n for n in want if n not in state]
     unexpected = [n for n in state if n not in want]
@@ -182,30 +175,14 @@ def head_from_state(family: str, sizes: dict, state: dict, target, what: str, de
     return head.eval().requires_grad_(False)
 
 
-def build_draft(family: str, target, k: int, num_layers: int = 1, parallel: bool = True, draft_vocab=None,
+def build_draft(family_name: str, target, k: int, num_layers: int = 1, parallel: bool = True, draft_vocab=None,
                 share_lm_head: bool = True, extra: dict | None = None):
-    """A fresh head of `family` sized for `target` (flat parameters; the trainer maps cfg.draft onto these).
-    `extra` (draft.extra) holds family knobs (FAMILY_OPTIONS): a key the family does not take is an error."""
-    from models.dspark import dspark_for_target
-    from models.medusa import medusa_for_target
-    from models.peagle import peagle_for_target
-
+    """A fresh head of `family_name` sized for `target` (flat parameters; the trainer maps cfg.draft onto these).
+    `extra` (draft.extra) holds family options (models.families): a key the family does not take is an error."""
+    entry = family(family_name)
     extra = dict(extra or {})
-    unknown = sorted(set(extra) - set(FAMILY_OPTIONS.get(family, ())))
+    unknown = sorted(set(extra) - set(entry.options))
     if unknown:
-        raise DraftheadsError(f"draft.extra has {unknown}, unknown to draft.family={family}; it takes "
-                              f"{list(FAMILY_OPTIONS.get(family, ())) or 'no options'}")
-    if family in ("dspark", "dflash"):
-        if family == "dflash":
-            extra["sequential"] = "none"
-        elif extra.get("sequential", "markov") == "none":
-            raise DraftheadsError("draft.family=dspark needs draft.extra.sequential markov or rnn; "
-                                  "for the backbone alone use draft.family=dflash")
-        return dspark_for_target(target, k, num_layers, draft_vocab, **extra)
-
-    if family in ("peagle", "eagle3"):
-        return peagle_for_target(target, k, num_layers, parallel=parallel and family == "peagle", draft_vocab=draft_vocab,
-                                 **extra)
-    if family == "medusa":
-        return medusa_for_target(target, k, num_layers, share_lm_head, draft_vocab)
-    raise DraftheadsError(f"draft.family '{family}' is not trainable here; pick one of {sorted(FAMILIES)}")
+        raise DraftheadsError(f"draft.extra has {unknown}, unknown to draft.family={family_name}; it takes "
+                              f"{list(entry.options) or 'no options'}")
+    return entry.build(target, k, num_layers, draft_vocab, parallel, share_lm_head, **extra)

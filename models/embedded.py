@@ -23,7 +23,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from models.checkpoint import CHECKED_KEYS, FAMILIES, head_from_state
+from models.checkpoint import CHECKED_KEYS, head_from_state
+from models.families import FAMILIES
 from models.errors import DraftheadsError, exit_on_error
 
 PREFIX = "draft."

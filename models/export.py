@@ -53,8 +53,8 @@ def export_speculators(head_dir, target, out_dir, verifier_path: str | None = No
     target's embedding): the id whose embedding row carries the learned mask embedding; default: a special token the
     chat template never uses (`unused_special_token`), else V-1. A head with its own embedding keeps its own id.
     """
-    head = _eagle_head(head_dir, target, "the speculators layout holds EAGLE-3 / P-EAGLE heads only "
-                                         "(draft.family=peagle or eagle3)")
+    head = _exportable(head_dir, target, "speculators", "the speculators layout holds EAGLE-3 / P-EAGLE heads only "
+                                                        "(draft.family=peagle or eagle3)")
     c = head.config
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,7 +159,8 @@ def export_sglang(head_dir, target, out_dir, verifier_path: str | None = None) -
     the residual stream from the previous layer's MLP output, so such a head drafts differently there than here
     and in vLLM (older SGLang refuses num_hidden_layers != 1); a warning says so.
     """
-    head = _eagle_head(head_dir, target, "SGLang's EAGLE-3 draft holds EAGLE-3 chain heads only (draft.family=eagle3)")
+    head = _exportable(head_dir, target, "sglang", "SGLang's EAGLE-3 draft holds EAGLE-3 chain heads only "
+                                                   "(draft.family=eagle3)")
     c = head.config
     if head.parallel:
         raise DraftheadsError(f"'{head_dir}' is a P-EAGLE (parallel drafting) head; SGLang has no parallel drafting. "
@@ -313,9 +314,12 @@ def _is_targets(tensor, ref, skip_row: int | None = None) -> bool:
     return bool(same.all())
 
 
-def _eagle_head(head_dir, target, holds: str) -> PEagleDrafter:
+def _exportable(head_dir, target, layout: str, holds: str) -> PEagleDrafter:
+    """The head at head_dir when its family exports to `layout` (models.families), else a clear error."""
+    from models.families import family
+
     head = load_draft(head_dir, target)
-    if not isinstance(head, PEagleDrafter):
+    if layout not in family(head.family_name).exports and not (layout == "sglang" and head.family_name == "peagle"):
         raise DraftheadsError(f"'{head_dir}' is a {head.family_name} head; {holds}")
     return head
 

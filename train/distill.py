@@ -25,9 +25,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from conf.schema import check_config, register_configs
 from inference.sources import path_and_options
-from inference.sources.draft_head import TREE_FAMILIES
 from models.checkpoint import read_draft_config
 from models.errors import DraftheadsError
+from models.families import family
 
 register_configs()
 
@@ -92,7 +92,7 @@ def run(cfg: DictConfig) -> dict:
         report["head"] = str(train_draft(cfg, target, data_dir / "features", out, accelerator=accelerator,
                                          wandb_run=wandb_run))
         sources.append(("head", f"head:{report['head']}"))
-        if cfg.eval.head_tree and read_draft_config(report["head"])["family"] in TREE_FAMILIES:
+        if cfg.eval.head_tree and family(read_draft_config(report["head"])["family"]).tree:
             sources.append(("head[tree=1]", f"head:{report['head']},tree=1"))
     if main:
         if cfg.eval.limit != 0 and sources:

@@ -120,7 +120,9 @@ def rows_per_token(cfg) -> float:
     """Head rows per sequence token: COD keeps ~decay^(d-1) of the tokens at depth d; block heads run whole blocks
     at anchors_per_sequence anchors (per token: anchors * K / T)."""
     k, tc = cfg.draft.k, cfg.train
-    if cfg.draft.family in ("dspark", "dflash"):
+    from models.families import family
+
+    if family(cfg.draft.family).blocks:
         return tc.anchors_per_sequence * k / cfg.data.max_length
     return sum(tc.cod_decay ** d for d in range(k))
 

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from inference.llama import LlamaForward, compact_forward
 from inference.sampling import SamplingConfig
-from models.checkpoint import FAMILIES
+from models.families import family
 from models.errors import DraftheadsError
 from models.peagle import DraftCache
 from train.cod import CodPlan
@@ -47,7 +47,7 @@ HOLDOUT_SEED = 1_000_000_007  # rl_validation_fn's draws: offset far past any tr
 
 def frozen_copy(head, target):
     """The stage-1 reference: same class and weights, no gradients (shared target modules re-attached, not copied)."""
-    ref = FAMILIES[head.family_name](**head.config)
+    ref = family(head.family_name).head(**head.config)
     ref.load_state_dict(head.state_dict())
     return ref.to(device=target.device, dtype=target.dtype).attach_target(target).eval().requires_grad_(False)
 

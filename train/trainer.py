@@ -22,12 +22,12 @@ from torch import Tensor
 from models.checkpoint import build_draft, head_from_state, load_draft, save_draft
 from models.draft_vocab import build_draft_vocab, extend_draft_vocab, token_counts
 from models.errors import DraftheadsError
+from models.families import family
 from train.cod import anchor_plan, cod_plan
 from train.loop import RunLog, Shard, Stage, Tally, check_settings, run_stage
 from train.losses import distill_loss, position_weights, token_ce, total_variation
 
 STAGES = ("soft_label", "rl")
-BLOCK_FAMILIES = ("dspark", "dflash")  # train on whole blocks at random anchors (train/cod.py anchor_plan)
 LOSS_CHUNK_ROWS = 1024  # rows of [N, V] logits alive at once: 1024 x 49152 fp32 = 200 MB
 
 
@@ -166,7 +166,7 @@ def online_features(dataset, target, dtype: str):
     return None if has_hidden else OnlineFeatures(target, dtype)
 
 
-def soft_label_loss(target, tc, k: int, family: str, device, fill=None):
+def soft_label_loss(target, tc, k: int, family_name: str, device, fill=None):
     """(model, items, micro, temperature) -> (loss, stats): the soft-label objective on a batch of feature items.
     `fill` (online runs) adds the target's hidden states to the items first. Plans (COD depths, or block anchors) are
     seeded by `micro`; everything that reads the head's parameters runs inside its forward
@@ -176,8 +176,9 @@ def soft_label_loss(target, tc, k: int, family: str, device, fill=None):
     def loss_on(model, items: list[dict], micro: int, temperature: float):
         batch = collate(fill(items) if fill is not None else items, device)
         g = torch.Generator().manual_seed(tc.seed * 1_000_003 + micro)
-        make_plan = anchor_plan if family in BLOCK_FAMILIES else cod_plan
-        knob = tc.anchors_per_sequence if family in BLOCK_FAMILIES else tc.cod_decay
+        blocks = family(family_name).blocks  # whole blocks at random anchors, or COD-sampled depths
+        make_plan = anchor_plan if blocks else cod_plan
+        knob = tc.anchors_per_sequence if blocks else tc.cod_decay
         plan = make_plan(batch["loss_mask"].cpu(), batch["lengths"].cpu(), k, knob, g)
         plan = type(plan)(**{f: (v.to(device) if isinstance(v, Tensor) else v) for f, v in vars(plan).items()})
         return model(batch, plan, lambda core, out: _objective(core, target, batch, out, tc, temperature, gamma, k))
@@ -185,9 +186,9 @@ def soft_label_loss(target, tc, k: int, family: str, device, fill=None):
     return loss_on
 
 
-def soft_label_step_fn(target, dataset, tc, k: int, family: str, device, fill=None):
+def soft_label_step_fn(target, dataset, tc, k: int, family_name: str, device, fill=None):
     """The loop's step function: micro-batch `micro` of the training split (batch_indices)."""
-    loss_on = soft_label_loss(target, tc, k, family, device, fill)
+    loss_on = soft_label_loss(target, tc, k, family_name, device, fill)
 
     def step_fn(model, micro: int, temperature: float):
         return loss_on(model, [dataset[i] for i in batch_indices(micro, tc.batch_size, len(dataset), tc.seed)], micro,
@@ -254,7 +255,7 @@ def _regression_target(core, batch: dict, out, chunk: slice, tc) -> Tensor | Non
     if tc.hidden_weight <= 0:
         return None
     final = batch["final_hidden"][out.batch_index[chunk], (out.anchor + out.depth)[chunk]]
-    if final.shape[-1] != out.hidden.shape[-1] or core.family_name not in ("peagle", "eagle3"):
+    if final.shape[-1] != out.hidden.shape[-1] or not family(core.family_name).hidden_state:
         raise DraftheadsError(f"train.hidden_weight={tc.hidden_weight} regresses the head's LM-head input onto the "
                               f"target's; a {core.family_name} head has no such state. Set train.hidden_weight=0")
     return final

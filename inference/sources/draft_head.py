@@ -16,17 +16,15 @@ from inference.sources.base import Draft, DraftContext
 from inference.tree import best_first_tree
 from models.checkpoint import load_draft
 from models.errors import DraftheadsError
+from models.families import family
 from models.peagle import DraftCache
-
-
-TREE_FAMILIES = ("peagle", "medusa")  # positions drafted independently (eagle3 is the chain): one forward ranks a tree
 
 
 class DraftHeadSource:
     needs_features = True
 
     def __init__(self, head, name: str, seed: int = 0, tree: bool = False, depth: int | None = None):
-        if tree and head.family_name not in TREE_FAMILIES:
+        if tree and not family(head.family_name).tree:
             raise DraftheadsError(f"draft source '{name}': tree=1 needs a head that drafts its positions independently "
                                   f"(P-EAGLE with parallel: true, or Medusa); this {head.family_name} head drafts one "
                                   "chain, so drop tree=1")

@@ -5,14 +5,14 @@ token actually drafted at j-1, so `probs[j]` is exactly the q token j was sample
 through the bias). `confidences[j]` = c_j = P(token j survives | tokens < j accepted), what
 inference/schedulers.py ConfidencePrefix multiplies into survival probabilities.
 
-"head:DIR" builds this source when DIR holds a dspark / dflash checkpoint (family dispatch in `head_source`), and
+"head:DIR" builds this source when DIR holds a head of a family with confidences (models.families), and
 inference/sources/draft_head.py's DraftHeadSource for every other family.
 """
 
 from __future__ import annotations
 
 from inference.sources import draft_head
-from models.dspark import DSparkDrafter
+from models.families import family
 
 
 class DSparkSource(draft_head.DraftHeadSource):
@@ -25,6 +25,6 @@ class DSparkSource(draft_head.DraftHeadSource):
 def head_source(arg: str | None, target):
     """Factory for 'head:DIR': the checkpoint's family decides the source class."""
     source = draft_head.head_source(arg, target)
-    if isinstance(source.head, DSparkDrafter):
+    if family(source.head.family_name).confidences:
         return DSparkSource(source.head, source.name)
     return source
