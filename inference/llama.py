@@ -69,7 +69,8 @@ def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, exac
     and a GEMM accumulates each output element over the keys in order: a masked key adds an exact zero wherever
     it sits. So a query's output depends only on its visible keys in slot order, not on their slots or the span,
     once the GEMMs have enough rows (exact_rows: the queries padded to that many rows with copies of the last).
-    exact_rows=None: no padding and the softmax's own (faster, slot-dependent) sum, for work that needs no equality."""
+    exact_rows=None: no padding, SDPA in the input dtype (2x faster at 512 keys, 16 rows), for work that needs no
+    equality (regeneration)."""
     B, nh, T, hd = q.shape
     kvh, S = keys.shape[1], keys.shape[2]
     rows = max(T, exact_rows or T)
@@ -77,11 +78,12 @@ def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, exac
         q = torch.cat([q, q[:, :, -1:].expand(B, nh, rows - T, hd)], dim=2)
         mask = torch.cat([mask, mask[:, :, -1:].expand(B, 1, rows - T, S)], dim=2)
     g = nh // kvh  # query heads per key/value head (GQA), kv head j serving heads j*g .. j*g+g-1
-    scores = (q.float().reshape(B, kvh, g * rows, hd) @ keys.float().transpose(-1, -2)) * hd**-0.5
     visible = mask.view(B, 1, 1, rows, S).expand(B, kvh, g, rows, S).reshape(B, kvh, g * rows, S)
+    if exact_rows is None:  # SDPA in the cache's dtype, the g query heads of a kv head as rows of one GEMM
+        out = F.scaled_dot_product_attention(q.reshape(B, kvh, g * rows, hd), keys, values, attn_mask=visible)
+        return out.view(B, nh, rows, hd)
+    scores = (q.float().reshape(B, kvh, g * rows, hd) @ keys.float().transpose(-1, -2)) * hd**-0.5
     scores = scores.masked_fill(~visible, float("-inf"))
-    if exact_rows is None:
-        return (scores.softmax(-1) @ values.float()).view(B, nh, rows, hd).to(q.dtype)
     weights = (scores - scores.amax(-1, keepdim=True)).exp()
     acc = weights @ torch.cat([values.float(), values.new_ones(B, kvh, S, 1, dtype=torch.float32)], -1)
     out = (acc[..., :hd] / acc[..., hd:]).view(B, nh, rows, hd)[:, :, :T]
