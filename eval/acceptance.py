@@ -7,9 +7,9 @@ Multi-turn prompts are answered turn by turn: turn 2 follows the target's own tu
 rendered with the target's chat template and the generation prompt. Reported per category and overall:
 tau (tokens emitted per verification forward, bonus included), acceptance[j] = P(position j accepted |
 position j-1 accepted) over rounds where position j was drafted and verified, mean draft length per round.
-Chains run through the reference loop (inference/generate.py); token trees (e.g. head:DIR,tree=1) through the tree
-runtime (inference/runtime.py, batch 1), where position j is tree depth j and --k is the node budget.
-`--engine runtime` sends chains there too, for like-for-like rows.
+Every source runs through the runtime (inference/runtime.py, batch 1: the engine eval.speedup times), where for a
+token tree (e.g. head:DIR,tree=1) position j is tree depth j and --k is the node budget. The HF-cache reference loop
+(inference/generate.py, the tests' oracle) runs only targets the runtime does not cover, or with --engine reference.
 Writes JSON + a Markdown table (.md next to it), prints the table, then ONE JSON line.
 """
 
@@ -143,19 +143,21 @@ def runtime_generate(runtime, source, ids: list[int], max_new: int, k: int, samp
                       draft_time=stats.draft_s, verify_time=stats.verify_s, prefill_time=stats.prefill_s)
 
 
-def resolve_engine(engine: str, source) -> str:
-    """'auto' -> 'runtime' for sources that draft token trees, else 'reference'."""
-    return engine if engine != "auto" else "runtime" if getattr(source, "tree", False) else "reference"
+def resolve_engine(engine: str, target) -> str:
+    """'auto' -> the runtime for every target it covers (Llama-style), else the reference loop."""
+    from inference.llama import runtime_supports
+
+    return engine if engine != "auto" else "runtime" if runtime_supports(target) else "reference"
 
 
 def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfig, max_new: int, seed: int = 0,
             progress: bool = True, save_tokens: bool = False, engine: str = "auto") -> dict[str, Tally]:
     """Run every prompt (all its turns) -> {category: Tally}; save_tokens keeps each turn's output ids.
-    engine: 'reference' (chains only), 'runtime', or 'auto' (see resolve_engine)."""
+    engine: 'runtime', 'reference' (chains only: the oracle), or 'auto' (see resolve_engine)."""
     from tqdm import tqdm
 
     runtime = None
-    if resolve_engine(engine, source) == "runtime":
+    if resolve_engine(engine, target) == "runtime":
         from inference.runtime import Runtime
 
         runtime = Runtime(target, max_len=4096, batch_size=1)
@@ -199,7 +201,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--save-tokens", action="store_true", help="keep every turn's output token ids in the JSON")
     ap.add_argument("--engine", choices=("auto", "reference", "runtime"), default="auto",
-                    help="auto: the reference loop for chains, the tree runtime for tree sources")
+                    help="auto: the runtime (the reference loop for targets it does not cover)")
     return ap.parse_args(argv)
 
 
@@ -233,7 +235,7 @@ def run(args: argparse.Namespace, target=None) -> dict:
         "k": args.k,
         "max_new": args.max_new,
         "seed": args.seed,
-        "engine": resolve_engine(args.engine, source),
+        "engine": resolve_engine(args.engine, target),
         "target": target.fingerprint,
         "overall": overall.summary(),
         "categories": {name: t.summary() for name, t in tallies.items()},

@@ -90,6 +90,12 @@ def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, exac
     return out.to(q.dtype)
 
 
+def runtime_supports(target: Target) -> bool:
+    """Llama-style targets (silu MLP; llama, qwen2) run on the compact forward and so on the runtime."""
+    cfg = target.model.config
+    return getattr(cfg, "hidden_act", "silu") == "silu" and cfg.model_type in ("llama", "qwen2")
+
+
 def compact_forward(target: Target) -> "LlamaForward":
     """The target's compact forward, built once per target and freed with it: feature extraction, online features and
     RL's block scoring share it (on CPU each LlamaForward packs its own copy of the float32 weights)."""
@@ -104,7 +110,7 @@ class LlamaForward:
         self.row_invariant = row_invariant  # False: faster decoding, not bitwise equal to verification
         hf = target.model.model
         cfg = target.model.config
-        if getattr(cfg, "hidden_act", "silu") != "silu" or cfg.model_type not in ("llama", "qwen2"):
+        if not runtime_supports(target):
             raise DraftheadsError(f"the runtime's compact forward covers Llama-style models (silu MLP); target "
                                   f"'{target.name}' is '{cfg.model_type}' with {cfg.hidden_act}; "
                                   "use inference.generate for it")

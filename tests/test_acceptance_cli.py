@@ -30,15 +30,15 @@ def cli(prompt_file, out, *extra):
 
 def test_cli_writes_json_and_markdown(prompt_file, tmp_path, capsys, monkeypatch):
     seen_prompts = []
-    real = acceptance.speculative_generate
+    real = acceptance.runtime_generate
 
-    def recording(target, source, ids, *args, **kw):
-        seen_prompts.append(target.tokenizer.decode(ids))
-        res = real(target, source, ids, *args, **kw)
-        seen_prompts.append(target.tokenizer.decode(res.tokens, skip_special_tokens=True))
+    def recording(runtime, source, ids, *args, **kw):
+        seen_prompts.append(runtime.target.tokenizer.decode(ids))
+        res = real(runtime, source, ids, *args, **kw)
+        seen_prompts.append(runtime.target.tokenizer.decode(res.tokens, skip_special_tokens=True))
         return res
 
-    monkeypatch.setattr(acceptance, "speculative_generate", recording)
+    monkeypatch.setattr(acceptance, "runtime_generate", recording)
     out = tmp_path / "res" / "acc.json"
     assert cli(prompt_file, out) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -110,7 +110,7 @@ def test_markdown_table_formats_cells():
 
 
 def test_tree_sources_run_through_the_runtime(prompt_file, tmp_path):
-    """A tree head goes through the tree runtime (auto); --engine runtime gives the reference loop's greedy text."""
+    """Every source goes through the runtime (auto); it gives the reference loop's greedy text, chain or tree."""
     import torch
 
     from models.checkpoint import save_draft
@@ -121,7 +121,7 @@ def test_tree_sources_run_through_the_runtime(prompt_file, tmp_path):
     torch.manual_seed(0)
     save_draft(peagle_for_target(target, k=3), tmp_path / "head", target)
     outs = {}
-    for name, extra in {"ref": (), "rt": ("--engine", "runtime"),
+    for name, extra in {"ref": ("--engine", "reference"), "rt": (),
                         "tree": ("--source", f"head:{tmp_path / 'head'},tree=1", "--k", "6")}.items():
         assert cli(prompt_file, tmp_path / f"{name}.json", "--save-tokens", *extra) == 0
         outs[name] = json.loads((tmp_path / f"{name}.json").read_text())
