@@ -119,11 +119,11 @@ class Runtime:
     @torch.no_grad()
     def generate(self, prompts: list, max_new: int, source: DraftSource | list[DraftSource] | None = None,
                  sampling: SamplingConfig = SamplingConfig(), k: int = 4, schedule=None, prefix=None,
-                 selector=None, seed: int = 0, ignore_eos: bool = False) -> Generation:
+                 seed: int = 0, ignore_eos: bool = False) -> Generation:
         """prompts: token-id lists (one per request). source: one DraftSource for all requests (stateless ones,
         e.g. prompt lookup) or a list with one per request (sources that cache per-request state, e.g. heads).
-        schedule: () -> per-request K schedule (default FixedK(k)); prefix: ConfidencePrefix (cuts drafts);
-        selector: SourceSelector (routes each request per round; its sources must be stateless)."""
+        schedule: () -> per-request K schedule (default FixedK(k)); prefix: ConfidencePrefix (cuts drafts).
+        A source with an `observe(draft, emitted, verify_seconds)` method hears how each of its drafts fared."""
         B = len(prompts)
         if not 0 < B <= self.cache.batch_size:
             raise DraftheadsError(f"got {B} prompts for a runtime built for batch_size={self.cache.batch_size}; "
@@ -138,8 +138,7 @@ class Runtime:
         per_request = isinstance(source, (list, tuple))  # one source per request (sources with state)
         if per_request and len(source) != B:
             raise DraftheadsError(f"got {len(source)} sources for {B} prompts; pass one source, or one per prompt")
-        sources = selector.sources if selector is not None else (
-            list(source) if per_request else [source] if source is not None else [])
+        sources = list(source) if per_request else [source] if source is not None else []
         for s in sources:
             s.reset()
         if prefix is not None:
@@ -174,25 +173,20 @@ class Runtime:
         while active:
             # -- draft --
             drafts: dict[int, Draft] = {}
-            chosen: dict[int, int] = {}
             for b in active:
                 t0 = time.perf_counter()
                 k_b = min(schedules[b].k, max_new - len(outputs[b]) - 1)
                 draft = Draft(EMPTY)
                 if sources and k_b > 0:
-                    chosen[b] = selector.choose() if selector is not None else b if per_request else 0
                     n = n_tok[b]
                     ctx = DraftContext(self.tokens[b, :n], aux[b, : n - 1] if feats else None,
                                        final[b, : n - 1] if feats else None)
-                    draft = truncate_draft(sources[chosen[b]].propose(ctx, k_b, sampling), k_b)
+                    draft = truncate_draft(sources[b if per_request else 0].propose(ctx, k_b, sampling), k_b)
                     if prefix is not None:
                         draft = prefix.truncate(draft, key=b)
                 drafts[b] = draft
                 self._sync()
-                dt = time.perf_counter() - t0
-                stats.draft_s += dt
-                if b in chosen and selector is not None:
-                    selector.record_draft(chosen[b], dt)
+                stats.draft_s += time.perf_counter() - t0
 
             # -- verify, one forward per draft-length group --
             sizes = [1 + drafts[b].size for b in active]
@@ -219,8 +213,9 @@ class Runtime:
                     schedules[b].update(draft.size, len(path))
                     if prefix is not None and draft.parents is None:
                         prefix.update(draft.size, len(path), key=b)
-                    if b in chosen and selector is not None:
-                        selector.record_verify(chosen[b], len(emitted), dt * (1 + draft.size) / width)
+                    observe = getattr(sources[b if per_request else 0], "observe", None) if sources else None
+                    if observe is not None and draft.size:
+                        observe(draft, len(emitted), dt * (1 + draft.size) / width)
                     for tok in emitted:
                         self.tokens[b, n_tok[b]] = tok
                         n_tok[b] += 1

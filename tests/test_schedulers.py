@@ -6,6 +6,7 @@ import torch
 
 from inference.runtime import Runtime
 from inference.schedulers import ConfidencePrefix, DynamicK, SourceSelector, VerifyCost, plan_groups
+from inference.sources.select import SelectSource
 from inference.sources.base import Draft
 from tests.test_runtime import OracleSource, make_prompts, reference
 
@@ -119,6 +120,16 @@ def test_schedulers_are_lossless_through_the_runtime(tiny_target):
     prefix = ConfidencePrefix(VerifyCost([1, 2, 8], [1.0, 1.05, 1.4]))
     g = rt.generate(prompts, 40, source=oracle, k=6, prefix=prefix, ignore_eos=True)
     assert g.tokens == ref and min(prefix.kept) < max(prefix.kept)  # it did cut some drafts
-    sel = SourceSelector([WrongSource(), oracle], warmup=2)
-    g = rt.generate(prompts, 40, k=4, selector=sel, ignore_eos=True)
-    assert g.tokens == ref and sel.picks[1] > 2 * sel.picks[0]
+    select = SelectSource([WrongSource(), oracle], "select:wrong+oracle", warmup=2)
+    g = rt.generate(prompts, 40, select, k=4, ignore_eos=True)
+    assert g.tokens == ref and select.selector.picks[1] > 2 * select.selector.picks[0]
+
+
+def test_select_spec_builds_and_stays_lossless(tiny_target):
+    from inference.sources import build_source
+
+    prompts = make_prompts((9, 11), seed=5)
+    ref = reference(tiny_target, prompts, 30)
+    source = build_source("select:prompt_lookup+prompt_lookup:max_ngram=2,min_ngram=1", tiny_target)
+    g = Runtime(tiny_target, max_len=128, batch_size=2).generate(prompts, 30, source, k=3, ignore_eos=True)
+    assert g.tokens == ref and sum(r["rounds"] for r in source.report()) > 0

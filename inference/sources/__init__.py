@@ -1,7 +1,7 @@
 """Draft sources and the registry that builds one from a spec string.
 
 A spec is `NAME` or `NAME:ARG` ("prompt_lookup", "prompt_lookup:max_ngram=4,min_ngram=2",
-"draft_file:PATH", "head:DIR", "first:prompt_lookup+head:DIR"). Registering a new source is one line: map its
+"draft_file:PATH", "head:DIR", "first:prompt_lookup+head:DIR", "select:prompt_lookup+draft_file:F+head:DIR"). Registering a new source is one line: map its
 name to a factory `(arg: str | None, target) -> DraftSource`, either here in SOURCES as a lazy "module:function"
 string (imported only when used, so optional dependencies stay optional) or from the source's own module:
 
@@ -56,6 +56,7 @@ SOURCES: dict[str, Factory | str] = {
     "draft_file": "inference.sources.draft_file:draft_file_source",
     "head": "inference.sources.dspark:head_source",  # dspark / dflash checkpoints get confidences; others draft_head
     "first": "inference.sources.first:first_source",  # first:A+B: the first source with a non-empty draft
+    "select": "inference.sources.select:select_source",  # select:A+B: the source with the most tokens per second
 }
 
 
@@ -67,10 +68,10 @@ def source_layer_ids(spec: str) -> list[int] | None:
     """The target layers a source reads features from: a head's recorded layer ids ('head:DIR'), else None (the
     default). Load the target with these, or a head trained on other layers is refused."""
     name, _, arg = spec.partition(":")
-    if name == "first":
+    if name in ("first", "select"):
         from inference.sources.first import parts
 
-        return next(filter(None, map(source_layer_ids, parts(arg))), None)
+        return next(filter(None, map(source_layer_ids, parts(arg, name))), None)
     if name != "head" or not arg:
         return None
     from models.checkpoint import read_draft_config

@@ -33,11 +33,12 @@ class FirstSource:
         return draft
 
 
-def parts(arg: str | None) -> list[str]:
+def parts(arg: str | None, name: str = "first") -> list[str]:
+    """The part specs of a combining source (first:, select:): two or more joined by '+'."""
     specs = [p for p in (arg or "").split("+") if p]
     if len(specs) < 2:
-        raise DraftheadsError(f"draft source 'first:{arg}' needs two or more sources joined by '+', "
-                              "e.g. first:prompt_lookup+head:outputs/run/head")
+        raise DraftheadsError(f"draft source '{name}:{arg}' needs two or more sources joined by '+', "
+                              f"e.g. {name}:prompt_lookup+head:outputs/run/head")
     return specs
 
 
