@@ -15,17 +15,24 @@ for vocabularies under 65535): the exact sufficient statistic. `merge` appends t
 and recounts, so merge(build(A), B) == build(A + B) byte for byte; only the new corpus is tokenized
 (the slow part). `--no-corpus` writes a serving-only file, which merge refuses.
 
-A build streams, its memory bounded by `--memory-mb`, with `--threads` workers and a progress bar each step:
+A build streams, with `--threads` workers and a progress bar (with an ETA) per step:
 1. tokenize: documents are read in batches and encoded by the fast tokenizer's batch encoder (Rust threads,
-   GIL released) while the next batch is read; each is appended to the stored corpus and to a token stream,
-   PAD between documents, that windows are read from (data/draft_file_count.py).
+   GIL released) while the next batch is read, a long document in pieces (_pieces: the same ids); each is
+   appended to the stored corpus and to a token stream, PAD between documents, that windows are read from.
 2. partition: the window starts are spilled to group files by first token, packed into sort partitions of
    at most FINE_WINDOWS. A first token with more windows is spread over several partitions by a hash of the
-   second token; its order-1 key is then counted in pieces and joined (data.draft_file_count.join_pieces).
-3. count: workers sort and count each group's partitions; the entries go to a run file bucketed by key.
-4. write: the runs are merged bucket range by bucket range into the file (keys sorted), then checksummed.
+   second token (a token pair is never split); its order-1 key is counted in pieces and joined
+   (data.draft_file_count.join_pieces).
+3. count: workers sort and count each group's partitions (data/draft_file_count.py); a group's entries go
+   to a run file sorted by key.
+4. write: the runs are merged a key range at a time into the file, then checksummed.
 With `--coverage` step 3 runs twice: at min-count 1 for the validation curve alone (the sorted windows kept
 on disk), then at the chosen min-count.
+
+Memory: `--memory-mb` bounds what steps 3 and 4 hold (a group per worker, a merge chunk); the tokenizer adds
+what its batches and the longest document take, and the process what Python and the tokenizer keep. Only the
+validation split (held in memory, 2% of the tokens by default) and 8 bytes a document grow with the corpus.
+Disk, besides the file: the corpus twice (2 bytes a token each), 8 bytes a window, the runs.
 """
 
 from __future__ import annotations
@@ -130,7 +137,8 @@ def _encoder(tokenizer):
     def in_pieces(texts):
         split = [_pieces(t) for t in texts]
         ids = iter(whole([p for ps in split for p in ps]))
-        return [next(ids) if len(ps) == 1 else list(itertools.chain.from_iterable(next(ids) for _ in ps)) for ps in split]
+        return [next(ids) if len(ps) == 1 else list(itertools.chain.from_iterable(next(ids) for _ in ps))
+                for ps in split]
 
     return in_pieces
 
@@ -227,7 +235,8 @@ class _Counter:
         self.first = docs.first
         self.stream = np.memmap(docs.path.with_suffix(".stream"), dtype=spec.tdt.newbyteorder(">"), mode="r")
         # element s packs tokens s.. of the stream into one big-endian uint64 (strides of one token)
-        self.view = np.ndarray((len(self.stream) - spec.per_word + 1,), ">u8", self.stream, strides=(spec.tdt.itemsize,))
+        self.view = np.ndarray((len(self.stream) - spec.per_word + 1,), ">u8", self.stream,
+                               strides=(spec.tdt.itemsize,))
         if len(self.stream) >= 1 << 40:
             raise DraftheadsError(f"draft file build: {len(self.stream):,} tokens are more than one build takes "
                                   "(2^40); split the corpus and merge")
@@ -309,8 +318,8 @@ class _Counter:
     def count(self, min_count: int, entries: bool, validation: _Validation | None, sorted_io: str | None,
               progress) -> list[dict]:
         """One pass over the groups (`threads` at a time): the runs (when entries), the pieces of spread order-1
-        keys joined into one more; validation statistics accumulate in `validation`. sorted_io: "save" keeps each group's
-        sorted windows on disk for a later pass, "load" reads them instead of sorting again."""
+        keys joined into one more; validation statistics accumulate in `validation`. sorted_io: "save" keeps
+        each group's sorted windows on disk for a later pass, "load" reads them instead of sorting again."""
         runs, pieces = [], []
         with ThreadPoolExecutor(self.threads) as pool:
             work = pool.map(lambda g: self._count_group(g, min_count, entries, validation, sorted_io),
@@ -470,9 +479,9 @@ class _Validation:
         at = np.minimum(np.searchsorted(self.wanted, out["keys"][cand]), max(len(self.wanted) - 1, 0))
         ok = self.wanted[at] == out["keys"][cand] if len(cand) else np.zeros(0, bool)
         hit, at = cand[ok], at[ok]
-        return {"keys_at": np.bincount(np.searchsorted(self.thresholds, best, side="right"), minlength=len(self.keys_at)),
-                "entries_at": np.bincount(np.searchsorted(self.thresholds, c0, side="right"),
-                                          minlength=len(self.entries_at)),
+        passed = lambda counts: np.searchsorted(self.thresholds, counts, side="right")  # noqa: E731
+        return {"keys_at": np.bincount(passed(best), minlength=len(self.keys_at)),
+                "entries_at": np.bincount(passed(c0), minlength=len(self.entries_at)),
                 "at": at, "count": best[hit], "token": out["tokens"][(np.cumsum(n) - n)[hit], 0].astype(np.int64)}
 
     def add(self, share: dict) -> None:
@@ -546,7 +555,8 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
         docs, val = _Documents(tmp / "corpus.bin", tdt, spec, vocab_size), _Documents(tmp / "val.bin", tdt)
         sources = list(base.header["sources"]) if base is not None else []
         if base is not None:  # stored corpus first, so merge(build(A), B) sees exactly build(A + B)'s token stream
-            for sink, toks, offs in ((docs, base.corpus_tokens, base.doc_offsets), (val, base.val_tokens, base.val_offsets)):
+            for sink, toks, offs in ((docs, base.corpus_tokens, base.doc_offsets),
+                                     (val, base.val_tokens, base.val_offsets)):
                 offs = offs.astype(np.int64)
                 for a in range(0, len(offs) - 1, 4096):
                     sink.add([np.asarray(toks[x:y]) for x, y in zip(offs[a: a + 4096], offs[a + 1: a + 4097])])

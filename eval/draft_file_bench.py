@@ -3,8 +3,8 @@ file size, coverage, lookup latency (single and batched), hot/cold hit rates, ta
 
     # the measurement, on 2 idle cores (~10 min; the first run also writes the corpus, ~1 min): builds of
     # ~25M, ~50M and ~100M tokens at min-count 2, then lookups and hot/cold placement on the largest file
-    mkdir -p outputs/draft_file && RAYON_NUM_THREADS=2 .venv/bin/python -m eval.draft_file_bench --out outputs/draft_file/big.dfl \
-        --tokens 25e6,50e6,100e6 --threads 2 > outputs/draft_file/bench_2core.json
+    mkdir -p outputs/draft_file && RAYON_NUM_THREADS=2 .venv/bin/python -m eval.draft_file_bench \
+        --out outputs/draft_file/big.dfl --tokens 25e6,50e6,100e6 --threads 2 > outputs/draft_file/bench_2core.json
     # per core, while developing (the tokenizer's pool, numpy and the workers on one CPU):
     RAYON_NUM_THREADS=1 OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python -m eval.draft_file_bench \
         --out outputs/draft_file/dev.dfl --tokens 25e6,50e6 --threads 1 > outputs/draft_file/bench_1core.json
@@ -217,8 +217,8 @@ def extrapolate(rows: list[dict], at: float = 1e9) -> dict:
             continue
         slope, icept = np.polyfit(n, y, 1)
         power, scale = np.polyfit(np.log(n), np.log(np.maximum(y, 1e-9)), 1)
-        out[key] = {"linear": round(float(icept + slope * at), 1), "power_law": round(float(np.exp(scale) * at ** power), 1),
-                    "exponent": round(float(power), 3)}
+        out[key] = {"linear": round(float(icept + slope * at), 1),
+                    "power_law": round(float(np.exp(scale) * at ** power), 1), "exponent": round(float(power), 3)}
     return out
 
 
