@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from data.draft_file import DraftFile
-from data.draft_file_build import _encoder, build, load_tokenizer, stats
+from data.draft_file_build import build, load_tokenizer, stats
+from data.draft_file_tokenize import batch_encoder
 
 STDLIB = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")  # its site-packages included
 
@@ -108,7 +109,7 @@ def prefix_corpus(corpus: Path, tokens: float, tokenizer, out: Path) -> Path:
             sample += len(line)
             if sample > 4_000_000:
                 break
-    n = sum(len(ids) for ids in _encoder(tokenizer)(list(iter_documents(out, tokenizer))))
+    n = sum(len(ids) for ids in batch_encoder(tokenizer)(list(iter_documents(out, tokenizer))))
     budget, size = tokens * sample / max(n, 1), 0
     with open(corpus) as src, open(out, "w") as dst:
         for line in src:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from data.draft_file import SEED, DraftFile, hash_finish, hash_step
-from data.draft_file_build import _encoder, _pieces, build, inspect, main, merge, stats
+from data.draft_file_build import build, inspect, main, merge, stats
+from data.draft_file_tokenize import batch_encoder, document_pieces
 from models.errors import DraftheadsError
 from models.tiny_tokenizer import tiny_byte_tokenizer
 
@@ -110,14 +111,14 @@ def test_batch_encoder_matches_the_tokenizer_call():
     from tokenizers import normalizers
 
     long = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(4000))  # > PIECE_CHARS
-    pieces = _pieces(long)
+    pieces = document_pieces(long)
     assert len(pieces) > 1 and "".join(pieces) == long
     assert all(p[0] == "\n" and p[1].strip() for p in pieces[1:])  # each cut: before a newline starting a line
     texts = SNIPPETS + ["<|im_start|>user\nhi<|im_end|>\n", "", "  spaces\n\n\tand tabs  ", long]
-    assert _encoder(TOK)(texts) == TOK(texts, add_special_tokens=False)["input_ids"]
+    assert batch_encoder(TOK)(texts) == TOK(texts, add_special_tokens=False)["input_ids"]
     marked = tiny_byte_tokenizer()
     marked.backend_tokenizer.normalizer = normalizers.Prepend("#")
-    assert _encoder(marked)([long]) == marked([long], add_special_tokens=False)["input_ids"]
+    assert batch_encoder(marked)([long]) == marked([long], add_special_tokens=False)["input_ids"]
 
 
 def reference_tries(token_docs, orders, L, min_count):
