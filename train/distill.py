@@ -261,13 +261,13 @@ def main(cfg: DictConfig) -> None:
         elif os.environ.get("WANDB_SWEEP_ID") and not named_out:  # a W&B agent's run: one directory per run
             cfg.output_dir = f"outputs/sweeps/{os.environ['WANDB_SWEEP_ID']}/{os.environ.get('WANDB_RUN_ID', 'run')}"
         check_config(cfg)
-        if cfg.runtime.device == "cuda" and not torch.cuda.is_available():
-            raise DraftheadsError("runtime.device=cuda but this machine has no CUDA device; use runtime=cpu")
-        if cfg.train.dry_run:  # the plan for the configured processes, from this one process
+        if cfg.train.dry_run:  # the plan for the configured processes and devices, from this one process
             from train.plan import print_plan
 
             print_plan(cfg)
             return
+        if cfg.runtime.device == "cuda" and not torch.cuda.is_available():
+            raise DraftheadsError("runtime.device=cuda but this machine has no CUDA device; use runtime=cpu")
         # more than one process asked for: exec torchrun over these arguments, the workers in this run's Hydra dir
         check_writable(Path(cfg.output_dir))
         relaunch(cfg.accelerate, sys.argv[1:], HydraConfig.get().runtime.output_dir, cfg.runtime.device)
