@@ -79,7 +79,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 10
     max_grad_norm: float = 1.0
-    mixed_precision: str = "no"  # no | bf16
+    mixed_precision: str = "no"  # no | bf16 | auto (bf16 where the CPU / GPU computes it natively)
     loss: str = "fkl"  # fkl | rkl | tv | lk (KL+TV mix) ; CE added with ce_weight
     ce_weight: float = 0.1
     position_weighting: str = "exp"  # none | exp  (exp(-(k-1)/gamma))
@@ -131,7 +131,7 @@ class EvalConfig:
 @dataclass
 class RuntimeConfig:
     device: str = "cpu"
-    threads: int = 2
+    threads: int = 2  # 0 = the CPUs this process may use that nothing else keeps busy (inference/threads.py)
 
 
 @dataclass
@@ -220,7 +220,7 @@ RULES: dict[str, Callable] = {
     "train.stages": each(one_of("soft_label", "rl")), "train.steps": at_least(1), "train.rl_steps": at_least(0),
     "train.batch_size": at_least(1), "train.grad_accum": at_least(1), "train.lr": above(0), "train.rl_lr": above(0),
     "train.weight_decay": at_least(0), "train.warmup_steps": at_least(0), "train.max_grad_norm": at_least(0),
-    "train.mixed_precision": one_of("no", "bf16"), "train.loss": one_of("fkl", "rkl", "tv", "lk"),
+    "train.mixed_precision": one_of("no", "bf16", "auto"), "train.loss": one_of("fkl", "rkl", "tv", "lk"),
     "train.ce_weight": at_least(0), "train.position_weighting": one_of("none", "exp"),
     "train.position_gamma": above(0), "train.lk_tv_weight": between(0, 1), "train.hidden_weight": at_least(0),
     "train.distill_weight": at_least(0), "train.confidence_weight": at_least(0),
@@ -234,7 +234,7 @@ RULES: dict[str, Callable] = {
     "eval.limit": at_least(0), "eval.max_new": at_least(1), "eval.domain_skip": at_least(0),
     "eval.domain_limit": at_least(1), "eval.k": each(between(1, 64)),
     "eval.temperatures": each(at_least(0)),
-    "runtime.device": one_of("cpu", "cuda"), "runtime.threads": between(1, 1024),
+    "runtime.device": one_of("cpu", "cuda"), "runtime.threads": between(0, 1024),
     "accelerate.strategy": one_of("single", "ddp", "fsdp", "zero2", "zero3"), "accelerate.num_processes": at_least(1),
     "accelerate.num_machines": at_least(1), "accelerate.machine_rank": at_least(0),
     "accelerate.main_process_port": between(1, 65535), "accelerate.timeout_minutes": at_least(1),

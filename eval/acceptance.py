@@ -27,6 +27,7 @@ import torch
 from data.chat import prompt_ids
 from conf.schema import at_least, between, check_args
 from eval.plots import plot_tau_table
+from inference.threads import available_threads
 from eval.report import check_writable_file, markdown_table, write_report
 from inference.generate import SpecResult, speculative_generate
 from inference.sampling import SamplingConfig
@@ -37,7 +38,7 @@ CATEGORY_ALIASES = {"mt_bench": MT_BENCH}
 
 
 CLI_RULES = {"k": between(1, 64), "max_new": at_least(1), "limit": at_least(1), "skip": at_least(0),
-             "threads": between(1, 1024),
+             "threads": between(0, 1024),
              "temperature": at_least(0), "top_p": between(1e-9, 1), "top_k": at_least(0), "seed": at_least(0)}
 
 
@@ -197,7 +198,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--skip", type=int, default=0, help="skip the first N prompt records (e.g. those trained on)")
     ap.add_argument("--categories", default=None, help="comma list; 'mt_bench' = the 8 MT-bench categories")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="0 = the free CPUs of this process")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--save-tokens", action="store_true", help="keep every turn's output token ids in the JSON")
     ap.add_argument("--engine", choices=("auto", "reference", "runtime"), default="auto",
@@ -212,7 +213,7 @@ def run(args: argparse.Namespace, target=None) -> dict:
 
     check_args(args, CLI_RULES)
     check_writable_file(args.out)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(available_threads(args.threads))
     prompts = load_prompts(args.prompts, parse_categories(args.categories), args.limit, args.skip)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
     if target is None:

@@ -32,6 +32,7 @@ from conf.schema import at_least, check_args
 from eval.acceptance import CLI_RULES, load_prompts, parse_categories
 from eval.report import check_writable_file
 from inference.runtime import Runtime, RuntimeStats
+from inference.threads import CompetingLoad, available_threads
 from inference.sampling import SamplingConfig
 from inference.schedulers import ConfidencePrefix, DynamicK
 from inference.sources import build_source, source_layer_ids
@@ -79,7 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="0 = the free CPUs of this process (inference/threads.py)")
+    ap.add_argument("--load", type=int, default=0, help="run N single-threaded busy processes beside the measurement")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cuda-graphs", action="store_true", help="CUDA: one captured graph per verify shape")
@@ -120,9 +122,16 @@ def timed(fn):
 
 
 def run(args: argparse.Namespace) -> tuple[dict, bool]:
-    check_args(args, {**CLI_RULES, "k_max": at_least(1), "batch": at_least(1), "repeats": at_least(1)})
+    check_args(args, {**CLI_RULES, "k_max": at_least(1), "batch": at_least(1), "repeats": at_least(1),
+                      "load": at_least(0)})
     if args.out:
         check_writable_file(args.out)
+    with CompetingLoad(args.load):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> tuple[dict, bool]:
+    args.threads = available_threads(args.threads)  # resolved after the load started: it sees the busy cores
     torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
@@ -211,7 +220,7 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
         "temperature": args.temperature, "cuda_graphs": args.cuda_graphs, "compile": args.compile, "k": args.k,
         "dynamic_k": args.dynamic_k, "prefix": args.prefix, "batch": args.batch,
         "max_new": args.max_new, "prompts": len(prompts), "repeats": args.repeats, "threads": args.threads,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"), "competing_load": args.load,
         "kv_cache_bytes": rt.kv_cache_bytes,
         "verify_ms": {n: round(s * 1000, 2) for n, s in zip(cost.sizes, cost.seconds)},
         "verify_cost_ratio_k": round(cost(args.k + 1) / cost(1), 3),

@@ -17,7 +17,7 @@ PROMPTS = "eval/data/spec_bench_dev.jsonl"
     (["--top-k", "-5"], "--top-k=-5 must be >= 0"),
     (["--limit", "-1"], "--limit=-1 must be >= 1"),
     (["--k", "0"], "--k=0 must be in [1, 64]"),
-    (["--threads", "0"], "--threads=0 must be in [1, 1024]"),
+    (["--threads", "-1"], "--threads=-1 must be in [0, 1024]"),
     (["--max-new", "0"], "--max-new=0 must be >= 1"),
 ])
 def test_acceptance_refuses_bad_numbers(flags, message, tmp_path, capsys):

@@ -133,3 +133,14 @@ def test_select_spec_builds_and_stays_lossless(tiny_target):
     source = build_source("select:prompt_lookup+prompt_lookup:max_ngram=2,min_ngram=1", tiny_target)
     g = Runtime(tiny_target, max_len=128, batch_size=2).generate(prompts, 30, source, k=3, ignore_eos=True)
     assert g.tokens == ref and sum(r["rounds"] for r in source.report()) > 0
+
+
+def test_auto_threads_leave_busy_cpus_alone():
+    import os
+
+    from inference.threads import CompetingLoad, available_threads, busy_cpus
+
+    assert available_threads(3) == 3
+    cpus = len(os.sched_getaffinity(0))
+    with CompetingLoad(cpus + 1):  # more busy processes than CPUs: still one thread
+        assert busy_cpus() >= 1 and available_threads() == 1

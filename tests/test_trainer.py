@@ -385,3 +385,20 @@ def test_agreement_is_measured_against_the_whole_vocabulary_argmax(tiny_target):
     assert results["whole_vocab"]["val_loss"] == results["draft_vocab_only"]["val_loss"]  # the loss is unchanged
     accs = [sum(r[f"val_acc_{d}"] for d in (1, 2, 3)) for r in (results["whole_vocab"], results["draft_vocab_only"])]
     assert accs[0] < accs[1], results
+
+
+def test_every_logged_step_says_where_its_time_went(tiny_target, tmp_path):
+    from train.trainer import train_draft
+
+    train_draft(make_cfg(tmp_path, steps=4, log_every=2), tiny_target, tiny_features(tiny_target), tmp_path)
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    parts = [row[k] for k in ("data_ms", "forward_ms", "backward_ms", "optimizer_ms")]
+    assert all(p >= 0 for p in parts) and parts[1] > 0 and parts[2] > 0
+
+
+def test_auto_mixed_precision_follows_the_hardware():
+    from train.distributed import resolve_mixed_precision
+
+    assert resolve_mixed_precision("no", "cpu") == "no" and resolve_mixed_precision("bf16", "cpu") == "bf16"
+    flags = open("/proc/cpuinfo").read()
+    assert resolve_mixed_precision("auto", "cpu") == ("bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "no")

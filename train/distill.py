@@ -40,12 +40,15 @@ def run(cfg: DictConfig) -> dict:
     features, RL and evaluation, with decoder layers FSDP2-sharded over the ranks under accelerate=fsdp / zero3."""
     from data.prepare import Workers, data_settings, prepare_data, ready_report
     from models.target import load_target
-    from train.distributed import die_with_launcher, make_accelerator
+    from inference.threads import available_threads
+    from train.distributed import die_with_launcher, make_accelerator, resolve_mixed_precision
 
     die_with_launcher()
+    cfg.train.mixed_precision = resolve_mixed_precision(cfg.train.mixed_precision, cfg.runtime.device)
     accelerator = make_accelerator(cfg.accelerate, cfg.train, cfg.runtime.device)  # the process group exists from here
     main, world = accelerator.is_main_process, accelerator.num_processes
-    threads = max(1, cfg.runtime.threads // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # the machine's cores, shared
+    # the machine's cores, shared by its processes (runtime.threads=0: the ones nothing else keeps busy)
+    threads = max(1, available_threads(cfg.runtime.threads) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
     out, d = Path(cfg.output_dir), cfg.data

@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 from models.errors import DraftheadsError
 
@@ -85,6 +86,22 @@ def die_with_launcher() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the launcher died before the request took effect
         os._exit(1)
+
+
+def resolve_mixed_precision(value: str, device: str) -> str:
+    """train.mixed_precision=auto -> bf16 where the hardware computes bfloat16 natively (a CUDA GPU that supports it,
+    a CPU with AVX-512 BF16 or AMX), else no."""
+    if value != "auto":
+        return value
+    import torch
+
+    if device == "cuda":
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "no"
+    return "bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "no"
 
 
 def make_accelerator(ac, tc, device: str):

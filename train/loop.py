@@ -1,7 +1,9 @@
 """The training loop every stage runs (soft labels, RL), written once for N processes.
 
 A stage supplies a `Stage`: its name, steps, learning rate and `step_fn(model, micro, temperature) -> (loss, stats)`,
-optionally `validate(model, shard) -> metrics`. The loop owns the rest: AdamW, the learning rate (warmup then cosine,
+optionally `validate(model, shard) -> metrics`. A stage may report `data_s` (seconds spent reading its batch) in its
+stats: each logged row then says where an optimizer step went (data_ms, forward_ms, backward_ms, optimizer_ms).
+The loop owns the rest: AdamW, the learning rate (warmup then cosine,
 a pure function of the optimizer step, so nothing can step it twice), gradient accumulation and mixed precision
 through the accelerator, logging (metrics.jsonl and W&B, main process only, every value averaged over ranks),
 validation, the best-weights file, and checkpoints that resume exactly.
@@ -267,14 +269,20 @@ def _steps(accelerator, model, optimizer, stage: Stage, tc, log: RunLog, shard: 
         for a in range(A):
             micro = (step * A + a) * shard.world + shard.rank
             with accelerator.accumulate(model):
-                loss, stats = stage.step_fn(model, micro, temperature)
+                t = [time.perf_counter()]
+                loss, stats = stage.step_fn(model, micro, temperature)  # data (reported by the stage) + forward
+                t.append(time.perf_counter())
                 accelerator.backward(loss)
+                t.append(time.perf_counter())
                 if accelerator.sync_gradients and tc.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
+                t.append(time.perf_counter())
             step_loss += float(loss.detach()) / A
-            window.update(stats)
+            data_s = stats.pop("data_s", 0.0)
+            window.update({**stats, "data_ms": 1e3 * data_s * A, "forward_ms": 1e3 * (t[1] - t[0] - data_s) * A,
+                           "backward_ms": 1e3 * (t[2] - t[1]) * A, "optimizer_ms": 1e3 * (t[3] - t[2]) * A})
         step += 1
         mean_loss = float(accelerator.reduce(torch.tensor(step_loss, device=accelerator.device), reduction="mean"))
         if not math.isfinite(mean_loss):
@@ -288,7 +296,7 @@ def _steps(accelerator, model, optimizer, stage: Stage, tc, log: RunLog, shard: 
             logged = {"stage": stage.name, "step": step, "loss": round(means.pop("loss"), 6), "lr": lr,
                       "temperature": round(temperature, 4),
                       "tokens_per_s": round(means.pop("tokens", 0) / max(elapsed, 1e-9), 1),
-                      **{k: round(v, 4) for k, v in means.items()}}
+                      **{k: round(v, 1 if k.endswith("_ms") else 4) for k, v in means.items()}}
             log.write(logged)
             bar.set_postfix(loss=logged["loss"])
             window, t0 = Tally(), time.perf_counter()

@@ -130,7 +130,7 @@ def rows_per_token(cfg) -> float:
 def memory(s: Sizes, cfg, strategy: str, n_gpus: int, online: bool, device: str = "cuda") -> dict[str, float]:
     """Bytes per GPU by part, for one micro-batch of train.batch_size sequences of data.max_length tokens."""
     tc = cfg.train
-    w = 2 if tc.mixed_precision == "bf16" else 4
+    w = 2 if tc.mixed_precision in ("bf16", "auto") else 4  # auto: bf16 on the GPUs this plans for
     a, t, H, P = w, s.target_bytes, s.hidden, s.head_params
     if strategy in ("single", "ddp"):
         states = 16 * P

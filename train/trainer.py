@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -191,8 +192,11 @@ def soft_label_step_fn(target, dataset, tc, k: int, family_name: str, device, fi
     loss_on = soft_label_loss(target, tc, k, family_name, device, fill)
 
     def step_fn(model, micro: int, temperature: float):
-        return loss_on(model, [dataset[i] for i in batch_indices(micro, tc.batch_size, len(dataset), tc.seed)], micro,
-                       temperature)
+        t0 = time.perf_counter()
+        items = [dataset[i] for i in batch_indices(micro, tc.batch_size, len(dataset), tc.seed)]
+        data_s = time.perf_counter() - t0
+        loss, stats = loss_on(model, items, micro, temperature)
+        return loss, {**stats, "data_s": data_s}
 
     return step_fn
 
