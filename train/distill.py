@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -24,7 +23,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from conf.schema import check_config, register_configs
-from inference.sources import path_and_options
 from models.checkpoint import read_draft_config
 from models.errors import DraftheadsError
 from models.families import family
@@ -39,9 +37,11 @@ def run(cfg: DictConfig) -> dict:
     work needs: its embedding, norm and LM head to train from offline features; all of it for the data stage, online
     features, RL and evaluation, with decoder layers FSDP2-sharded over the ranks under accelerate=fsdp / zero3."""
     from data.prepare import Workers, data_settings, prepare_data, ready_report
-    from models.target import load_target
+    from eval.tau_table import evaluate, log_tau, source_label
     from inference.threads import available_threads
+    from models.target import load_target
     from train.distributed import die_with_launcher, make_accelerator, resolve_mixed_precision
+    from train.trainer import open_wandb, train_draft
 
     die_with_launcher()
     cfg.train.mixed_precision = resolve_mixed_precision(cfg.train.mixed_precision, cfg.runtime.device)
@@ -84,8 +84,6 @@ def run(cfg: DictConfig) -> dict:
     sources = [(source_label(spec), spec) for spec in cfg.eval.sources]
     if cfg.draft.init_from and cfg.eval.compare_init:  # a fine-tune: the head it started from, on the same prompts
         sources.append(("head_before", f"head:{cfg.draft.init_from}"))
-    from train.trainer import open_wandb, train_draft
-
     wandb_run = open_wandb(cfg, out) if cfg.train.wandb and main else None
     if cfg.train.stages and d.features != "none":
         if d.features == "online" or "rl" in cfg.train.stages:  # the target runs in the step
@@ -175,80 +173,6 @@ def check_writable(out: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise DraftheadsError(f"output_dir '{out}' is not writable ({e.strerror}); pick another output_dir") from None
-
-
-def log_tau(wandb_run, rows: list[dict]) -> None:
-    """τ of every row of the table into the W&B summary (tau/<source>_k<K>_T<T>), and `tau`: the trained head's at
-    the first K and temperature, the number a temperature sweep ranks by."""
-    for row in rows:
-        if "tau" in row:
-            wandb_run.summary[f"tau/{row['prompts']}/{row['source']}_k{row['k']}_T{row['T']:g}"] = row["tau"]
-    head = [row for row in rows if row.get("source") == "head"]
-    if head:
-        wandb_run.summary["tau"] = head[0]["tau"]
-        wandb_run.log({"tau": head[0]["tau"]})
-
-
-def source_label(spec: str) -> str:
-    """'head:DIR,tree=1' -> 'head[tree=1]': the source's name and options, without its path."""
-    name, _, arg = spec.partition(":")
-    options = path_and_options(arg)[1] if name in ("head", "draft_file") else arg
-    return f"{name}[{options}]" if options else name
-
-
-def evaluate(cfg: DictConfig, sources: list[tuple[str, str]], out: Path, target) -> list[dict]:
-    """τ of every (label, source) at every K and temperature on the eval prompts (never trained on) and, when
-    eval.domain_prompts is set, on those too, with the target already loaded (one load for every row); one table,
-    one JSON per row under out/<prompt set>/. A fine-tune's rows pair head_before with head per prompt set, K and T:
-    the τ difference with a 95% bootstrap interval over questions (eval.compare_tau) goes in a second table."""
-    from eval import acceptance
-    from eval.compare_tau import tau_difference
-    from eval.plots import plot_tau_table
-    from eval.report import markdown_table, write_report
-
-    e = cfg.eval
-    suites = [(e.categories or Path(e.prompts).stem, e.prompts, e.categories, 0, e.limit)]
-    if e.domain_prompts:
-        suites.append((Path(e.domain_prompts).stem, e.domain_prompts, e.domain_categories, e.domain_skip,
-                       e.domain_limit))
-    rows = []
-    for suite, prompts, categories, skip, limit in suites:
-        for label, source in sources:
-            for k in e.k:
-                for temperature in e.temperatures:
-                    tag = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + f"_k{k}_T{temperature:g}"
-                    args = acceptance.parse_args([
-                        "--prompts", prompts, "--source", source, "--k", str(k), "--temperature", str(temperature),
-                        "--max-new", str(e.max_new), "--out", str(out / suite / f"{tag}.json"),
-                        "--target", cfg.target.name, "--dtype", cfg.target.dtype, "--threads",
-                        str(cfg.runtime.threads), "--seed", str(cfg.train.seed), "--skip", str(skip),
-                        *(["--target-path", cfg.target.path] if cfg.target.path else []),
-                        *(["--limit", str(limit)] if limit else []),
-                        *(["--categories", categories] if categories else [])])
-                    results = acceptance.run(args, target)
-                    write_report(args.out, results, acceptance.table(results), f"{label}: {source}, k={k}, "
-                                                                                f"T={temperature:g}")
-                    o = results["overall"]
-                    rows.append({"prompts": suite, "source": label, "k": k, "T": temperature, "tau": o["tau"],
-                                 "mean_draft_len": o["mean_draft_len"], "draft_ms": o["draft_ms_per_round"],
-                                 "verify_ms": o["verify_ms_per_round"], "json": args.out,
-                                 "acceptance": " ".join("-" if a is None else f"{a:.2f}" for a in o["acceptance"])})
-    md = markdown_table(rows, ["prompts", "source", "k", "T", "tau", "mean_draft_len", "draft_ms", "verify_ms",
-                               "acceptance"])
-    pairs = [(b, a) for b in rows for a in rows if b["source"] == "head_before" and a["source"] == "head"
-             and (b["prompts"], b["k"], b["T"]) == (a["prompts"], a["k"], a["T"])]
-    if pairs:
-        changes = [{"prompts": b["prompts"], "k": b["k"], "T": b["T"], **tau_difference([(b["json"], a["json"])])}
-                   for b, a in pairs]
-        md += "\nBefore / after fine-tuning (95% bootstrap interval over questions):\n\n" + markdown_table(
-            changes, ["prompts", "k", "T", "tau_before", "tau_after", "diff", "ci95", "questions"])
-        rows.extend({"change": c} for c in changes)
-    (out / "summary.md").write_text(md + "\n")
-    for suite, *_ in suites:
-        plot_tau_table([r for r in rows if r.get("prompts") == suite], out / f"summary_{suite}.png",
-                       f"{cfg.target.name} on {suite}")
-    print(f"\n[draftheads] tau ({', '.join(s[0] for s in suites)}, max_new {e.max_new}):\n{md}")
-    return rows
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
