@@ -402,3 +402,24 @@ def test_auto_mixed_precision_follows_the_hardware():
     assert resolve_mixed_precision("no", "cpu") == "no" and resolve_mixed_precision("bf16", "cpu") == "bf16"
     flags = open("/proc/cpuinfo").read()
     assert resolve_mixed_precision("auto", "cpu") == ("bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "no")
+
+
+def test_validation_reads_every_held_out_sequence_once(tiny_target):
+    """3 held-out sequences in batches of 2: batches [0, 1] and [2], no sequence twice (a wrapped permutation used to
+    count some twice); split over 2 ranks, the same batches in total."""
+    from train.loop import Shard
+    from train.trainer import validation_fn
+
+    seen = []
+
+    def loss_on(model, items, micro, temperature):
+        seen.append([int(it["input_ids"][0]) for it in items])
+        return torch.tensor(1.0), {f"acc_{d}": (1.0, 1) for d in (1, 2)}
+
+    holdout = [{"input_ids": torch.tensor([i])} for i in range(3)]
+    validation_fn(loss_on, holdout, 2, 2)(None)
+    assert seen == [[0, 1], [2]]
+    seen.clear()
+    for rank in (0, 1):
+        validation_fn(loss_on, holdout, 2, 2)(None, Shard(rank, 2, reduce=lambda t: t.means()))
+    assert seen == [[0, 1], [2]]
