@@ -100,6 +100,7 @@ def train_rate(ds, target, steps: int, threads: int) -> float:
         cfg.train[key] = v
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as out:
+        cfg.output_dir = out
         train_draft(cfg, target, ds, out)
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return rows[-1]["tokens_per_s"]

@@ -100,6 +100,7 @@ def run(args) -> dict:
     if args.device != "cpu":
         torch.cuda.reset_peak_memory_stats()
     out = Path(args.out or tempfile.mkdtemp(prefix="train_bench_"))
+    cfg.output_dir = str(out)
     t0 = time.perf_counter()
     train_draft(cfg, target, items, out, accelerator=accelerator)
     wall = time.perf_counter() - t0
