@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from inference.tree import tree_mask
-from inference.verify import accept_greedy, first_rejection
+from inference.verify import accept_greedy, accepts, first_rejection
 
 try:  # triton ships with CUDA builds of torch; the CPU wheel has none
     import triton
@@ -47,7 +47,7 @@ def accept_rejection_reference(draft: Tensor, lens: Tensor, p: Tensor, q: Tensor
         x = draft[b, :k, None]
         p_x = p[b, :k].gather(-1, x).squeeze(-1)
         q_x = q[b, :k].gather(-1, x).squeeze(-1) if q is not None else torch.ones_like(p_x)
-        n.append(first_rejection(u[b, :k] * q_x < p_x))
+        n.append(first_rejection(accepts(u[b, :k], p_x, q_x)))
     return torch.tensor(n)
 
 

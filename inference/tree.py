@@ -22,7 +22,7 @@ from torch import Tensor
 
 from inference.sampling import SamplingConfig
 from inference.sources.base import Draft
-from inference.verify import point_mass, verify_chain
+from inference.verify import accepts, point_mass, verify_chain
 
 
 def chain_parents(k: int) -> Tensor:
@@ -97,7 +97,7 @@ def accept_tree(
             x = int(tokens[c])
             q = draft.probs[c].to(p) if draft.probs is not None else point_mass(tokens[c], p.shape[-1]).to(p)
             u = torch.rand((), generator=generator, device=p.device)
-            if u * q[x] < p[x]:  # u < p/q without the division (as in verify.accept_rejection)
+            if accepts(u, p[x], q[x]):
                 accepted = c
                 break
             residual = (p - q).clamp_min(0)

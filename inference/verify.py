@@ -33,6 +33,13 @@ def first_rejection(accepted: Tensor) -> int:
     return int(accepted.long().cumprod(0).sum())
 
 
+def accepts(u: Tensor, p_x: Tensor, q_x: Tensor) -> Tensor:
+    """The lossless rule's test, elementwise: accept x with probability min(1, p(x)/q(x)) given uniforms u, written
+    u * q(x) < p(x) (no division: p >= q always accepts, p = q = 0 never does). The verifier, the tree, the batched
+    kernels' reference and the RL stage all use this one test."""
+    return u * q_x < p_x
+
+
 def accept_greedy(draft_tokens: Tensor, target_logits: Tensor) -> tuple[int, int]:
     """draft_tokens [k], target_logits [k+1, V] -> (n_accepted, next_token)."""
     target_tokens = target_logits.argmax(-1)  # [k+1]
@@ -53,8 +60,7 @@ def accept_rejection(
     p_x = p[:k].gather(-1, idx).squeeze(-1)  # [k]
     q_x = q.gather(-1, idx).squeeze(-1)  # [k]
     u = torch.rand(k, generator=generator, device=p.device)  # [k]
-    # u < p/q without the division: p_x >= q_x always accepts (u < 1), and p_x = q_x = 0 never does
-    n = first_rejection(u * q_x < p_x)
+    n = first_rejection(accepts(u, p_x, q_x))
     if n == k:
         next_dist = p[k]  # bonus token
     else:

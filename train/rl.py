@@ -33,6 +33,7 @@ from torch import Tensor
 
 from inference.llama import LlamaForward, compact_forward
 from inference.sampling import SamplingConfig
+from inference.verify import accepts
 from models.families import family
 from models.errors import DraftheadsError
 from models.peagle import DraftCache
@@ -87,8 +88,7 @@ def block_plan(anchors: Tensor, valid: Tensor, k: int) -> CodPlan:
 def exact_accepted(p_tok: Tensor, q_tok: Tensor, g: torch.Generator) -> Tensor:
     """R [B]: tokens accepted by the lossless rule (accept y_k w.p. min(1, p/q); stop at the first rejection)."""
     u = torch.rand(p_tok.shape, generator=g).to(p_tok.device)
-    ok = u < (p_tok / q_tok.clamp(min=1e-20)).clamp(max=1.0)
-    return ok.long().cumprod(1).sum(1)
+    return accepts(u, p_tok, q_tok).long().cumprod(1).sum(1)
 
 
 def expected_accepted(alpha: Tensor) -> Tensor:
