@@ -45,9 +45,11 @@ def plot_tau_table(rows: list[dict], path: Path, title: str = "") -> Path | None
         right.plot([i + 1 for i, a in enumerate(acc) if a is not None], [a for a in acc if a is not None],
                    marker="o", label=f"{source}, T={t:g}, K={last['k']}")
     left.set(xlabel="draft length K (tree: nodes)", ylabel="τ (tokens per target forward)", title="τ against K")
+    left.set_ylim(bottom=1.0)  # τ >= 1: every forward emits at least its bonus token
     right.set(xlabel="position", ylabel="P(accepted | previous accepted)", ylim=(0, 1.05),
               title="acceptance per position")
     for ax in (left, right):
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if title:
@@ -83,6 +85,7 @@ def plot_sweep(points: list[dict], out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(max(6, 1.0 * len(points) + 2), 4))
     ax.bar([p["label"] for p in points], [p["tau"] or 0 for p in points], color="tab:green")
     ax.set(ylabel="τ of the trained head", title="sweep points, best first")
+    ax.set_ylim(bottom=1.0 if all(p["tau"] for p in points) else 0.0)
     ax.tick_params(axis="x", rotation=30, labelsize=8)
     paths.append(_save(fig, out_dir / "sweep_tau.png"))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -102,6 +105,7 @@ def plot_sweep(points: list[dict], out_dir: Path) -> list[Path]:
         ax.plot(range(1, len(acc) + 1), acc, marker="o", label=p["label"])
     ax.set(xlabel="position", ylabel="P(accepted | previous accepted)", ylim=(0, 1.05),
            title="acceptance per position")
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     paths.append(_save(fig, out_dir / "sweep_acceptance.png"))
