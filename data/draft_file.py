@@ -447,6 +447,8 @@ def _align(n: int) -> int:
 
 
 if __name__ == "__main__":  # the CLI lives with the builder
+    import sys
+
     from data.draft_file_build import main
 
-    main()
+    sys.exit(main())

@@ -54,7 +54,7 @@ from data.draft_file import U64, VERSION, DraftFile, context_keys, token_dtype, 
 from data.draft_file_count import WindowSpec
 from data.draft_file_partition import Partitions
 from data.draft_file_tokenize import TokenStream, is_validation, iter_token_batches
-from models.errors import DraftheadsError
+from models.errors import DraftheadsError, cli
 
 THRESHOLDS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 
@@ -315,6 +315,7 @@ def load_tokenizer(name_or_path: str):
     return AutoTokenizer.from_pretrained(directory, local_files_only=True), name, vocab
 
 
+@cli
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m data.draft_file", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -344,31 +345,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--text", required=True)
     p.add_argument("--target", default="smollm2-135m-instruct")
     args = ap.parse_args(argv)
-    try:
-        if args.cmd == "stats":
-            print(json.dumps(stats(DraftFile(args.file))))
-            return
-        tokenizer, name, vocab = load_tokenizer(args.target)
-        if args.cmd == "inspect":
-            f = DraftFile(args.file)
-            f.check_tokenizer(tokenizer)
-            for row in inspect(f, tokenizer, args.text):
-                print(json.dumps(row, ensure_ascii=False))
-            return
-        if args.cmd == "build":
-            report = build(args.corpus, tokenizer, args.out, target_name=name, vocab_size=vocab,
-                           orders=[int(o) for o in args.orders.split(",")], continuations=args.continuations,
-                           max_len=args.max_len, min_count=args.min_count, coverage=args.coverage,
-                           validation=args.validation, keep_corpus=not args.no_corpus, memory_mb=args.memory_mb,
-                           threads=args.threads)
-        else:
-            report = merge(DraftFile(args.file), args.corpus, tokenizer, args.out, min_count=args.min_count,
-                           coverage=args.coverage, validation=args.validation, memory_mb=args.memory_mb,
-                           threads=args.threads)
-        print(json.dumps(report))
-    except DraftheadsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    if args.cmd == "stats":
+        print(json.dumps(stats(DraftFile(args.file))))
+        return
+    tokenizer, name, vocab = load_tokenizer(args.target)
+    if args.cmd == "inspect":
+        f = DraftFile(args.file)
+        f.check_tokenizer(tokenizer)
+        for row in inspect(f, tokenizer, args.text):
+            print(json.dumps(row, ensure_ascii=False))
+        return
+    if args.cmd == "build":
+        report = build(args.corpus, tokenizer, args.out, target_name=name, vocab_size=vocab,
+                       orders=[int(o) for o in args.orders.split(",")], continuations=args.continuations,
+                       max_len=args.max_len, min_count=args.min_count, coverage=args.coverage,
+                       validation=args.validation, keep_corpus=not args.no_corpus, memory_mb=args.memory_mb,
+                       threads=args.threads)
+    else:
+        report = merge(DraftFile(args.file), args.corpus, tokenizer, args.out, min_count=args.min_count,
+                       coverage=args.coverage, validation=args.validation, memory_mb=args.memory_mb,
+                       threads=args.threads)
+    print(json.dumps(report))
 
 
 def merge(base: DraftFile, corpus: list[str], tokenizer, out: str | Path, min_count: int | None = None,

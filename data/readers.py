@@ -63,8 +63,9 @@ def _read(f, n: int) -> str:
 
 
 def _open_text(path: Path):
-    if not path.exists():
-        raise DraftheadsError(f"data file '{path}' does not exist; check data.path")
+    if not path.is_file():
+        what = "is a directory (data.source=text_dir reads directories)" if path.is_dir() else "does not exist"
+        raise DraftheadsError(f"data file '{path}' {what}; check data.path")
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
@@ -217,7 +218,8 @@ def read_prompts(path: str | Path, stats: ReadStats | None = None, strict: bool 
     stats = stats if stats is not None else ReadStats()
     path = Path(path)
     if strict and not path.is_file():
-        raise DraftheadsError(f"prompt file '{path}' does not exist; pass a JSONL of {{\"turns\": [...]}} records "
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise DraftheadsError(f"prompt file '{path}' {what}; pass a JSONL of {{\"turns\": [...]}} records "
                               "(e.g. eval/data/spec_bench_dev.jsonl) or 'humaneval'")
     for i, rec in enumerate(iter_jsonl(path, stats, strict)):
         turns = (rec.get("turns") or ([rec["prompt"]] if isinstance(rec.get("prompt"), str) else None)) \

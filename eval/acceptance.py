@@ -31,7 +31,7 @@ from inference.threads import available_threads
 from eval.report import check_writable_file, markdown_table, write_report
 from inference.generate import SpecResult, speculative_generate
 from inference.sampling import SamplingConfig
-from models.errors import DraftheadsError
+from models.errors import DraftheadsError, cli
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORY_ALIASES = {"mt_bench": MT_BENCH}
@@ -255,13 +255,10 @@ def table(results: dict) -> str:
     return markdown_table(rows, columns)
 
 
+@cli
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        results = run(args)
-    except DraftheadsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    results = run(args)
     md = table(results)
     title = (f"Acceptance: {results['source']} on {results['target']['name']}, T={results['temperature']}, "
              f"k={results['k']}, max_new={results['max_new']}")

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from models.errors import DraftheadsError
+from models.errors import DraftheadsError, cli
 
 
 def turn_counts(path: str) -> dict[tuple, tuple[int, int]]:
@@ -57,21 +57,17 @@ def tau_difference(pairs: list[tuple[str, str]], draws: int = 1000, seed: int = 
             "questions": len(qids), "turns": len(q), "pairs": len(pairs)}
 
 
+@cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.compare_tau", description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="BEFORE.json AFTER.json, repeated")
     args = ap.parse_args(argv)
     if len(args.runs) % 2:
-        print("error: give results JSONs in BEFORE AFTER pairs", file=sys.stderr)
-        return 2
+        raise DraftheadsError("give results JSONs in BEFORE AFTER pairs")
     pairs = list(zip(args.runs[::2], args.runs[1::2]))
-    try:
-        for pair in pairs if len(pairs) > 1 else []:
-            print(json.dumps({"before": pair[0], "after": pair[1], **tau_difference([pair])}))
-        print(json.dumps({"bench": "compare_tau", **tau_difference(pairs)}))
-    except DraftheadsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    for pair in pairs if len(pairs) > 1 else []:
+        print(json.dumps({"before": pair[0], "after": pair[1], **tau_difference([pair])}))
+    print(json.dumps({"bench": "compare_tau", **tau_difference(pairs)}))
     return 0
 
 

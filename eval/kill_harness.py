@@ -130,4 +130,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from models.errors import exit_on_error
+
+    exit_on_error(main)

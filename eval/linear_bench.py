@@ -12,7 +12,6 @@ import json
 import time
 
 import torch
-import torch.nn.functional as F
 
 from inference.llama import linear, pack_for_cpu
 
@@ -59,4 +58,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from models.errors import exit_on_error
+
+    exit_on_error(main)

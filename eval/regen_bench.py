@@ -68,4 +68,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from models.errors import exit_on_error
+
+    exit_on_error(main)

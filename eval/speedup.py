@@ -36,7 +36,7 @@ from inference.threads import CompetingLoad, available_threads
 from inference.sampling import SamplingConfig
 from inference.schedulers import ConfidencePrefix, DynamicK
 from inference.sources import build_source, source_layer_ids
-from models.errors import DraftheadsError
+from models.errors import DraftheadsError, cli
 from models.target import DEFAULT_TARGET, load_target
 
 MODES = ("plain", "spec", "hf_generate", "hf_prompt_lookup")
@@ -245,13 +245,10 @@ def _merge(total: RuntimeStats, part: RuntimeStats) -> None:
     total.accepted.update(part.accepted)
 
 
+@cli
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        result, ok = run(args)
-    except DraftheadsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    result, ok = run(args)
     cols = [m for m in MODES if m in result["tokens_per_s"]] + ["speedup", "tau"]
     print("category".ljust(14) + "".join(c.rjust(18) for c in cols))
     for cat, row in result["per_category"].items():

@@ -36,3 +36,6 @@ def test_smoke_experiment_runs_end_to_end_and_resumes(tmp_path):
     report3 = json.loads((tmp_path / "run_report.json").read_text())
     assert report3["data"]["conversations"] == 10 and report3["data"]["features"]["new_tokens"] > 0
     assert (tmp_path / "data" / "regenerated.jsonl").read_text().startswith(regenerated)
+    fewer = _run(tmp_path, "data.max_records=8")  # lowered: never served by the 10-record features in silence
+    assert fewer.returncode == 2 and "Traceback" not in fewer.stderr
+    assert "holds features of" in fewer.stderr.strip().splitlines()[-1], fewer.stderr[-2000:]

@@ -2,7 +2,6 @@
 Each resumes to exactly what an uninterrupted run writes, and a full disk is one clear line."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from data.regenerate import regenerate
+from eval.probe_table import mount_tmpfs
 from train.loop import RunLog
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,12 +43,6 @@ def test_metrics_cut_at_any_byte_keep_every_complete_line_once(tmp_path):
         assert [r["step"] for r in kept] == list(range(1, min(complete, 4) + 1)), cut
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
-
-
 ARGS = [sys.executable, "-m", "train.distill", "+experiment=smoke", "data.max_records=8", "train.steps=4", "eval.limit=0",
         "runtime.threads=1"]
 
@@ -67,7 +61,7 @@ def reference(tmp_path_factory):
 ])
 def test_a_full_disk_is_one_clear_line_and_the_rerun_resumes(reference, tmp_path, size, message):
     disk = tmp_path / "disk"
-    if not _mount_tmpfs(disk, size):
+    if not mount_tmpfs(disk, size):
         pytest.skip("mounting a small tmpfs needs root")
     try:
         r = subprocess.run([*ARGS, f"output_dir={disk}/run"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -99,3 +93,16 @@ def test_kill_9_at_fifty_random_moments(tmp_path):
     result = run_harness(kills=50, out=tmp_path, seed=0)
     print(json.dumps({k: v for k, v in result.items() if k != "details"}))
     assert result["all_equal"] and result["kills"] >= 50, result
+
+
+def test_a_damaged_best_marker_counts_as_no_best(tmp_path):
+    from train.loop import _read_best
+
+    (tmp_path / "best").mkdir()
+    for damaged in ("", "{", "[]", '{"step": 4}'):
+        (tmp_path / "best" / "best.json").write_text(damaged)
+        assert _read_best(tmp_path) is None
+    (tmp_path / "best" / "best.json").write_text('{"step": 4, "val_loss": 1.5}')
+    assert _read_best(tmp_path) is None  # the weights it marks are missing
+    (tmp_path / "best" / "model.safetensors").write_bytes(b"")
+    assert _read_best(tmp_path) == {"step": 4, "val_loss": 1.5}

@@ -1,11 +1,15 @@
 """Hostile inputs to the evaluation commands (issue: nothing silently wrong): every bad number is one readable line
 and exit status 2, before any model is loaded."""
 
+import json
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from eval import acceptance, speedup
-
-PROMPTS = "eval/data/spec_bench_dev.jsonl"
+from eval.probe_table import HEAD_DAMAGE, PROMPTS, RECOVERS, ROOT, RUN, RUN_DAMAGE, no_heads
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -55,17 +59,6 @@ def test_one_sampling_config_refuses_what_it_cannot_sample():
 # ------------------------------------------------------------------------------------------------------------------
 # damaged heads, run directories and inputs: one readable line, exit status 2, nothing lost
 # ------------------------------------------------------------------------------------------------------------------
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-RUN = ["+experiment=smoke", "data.max_records=8", "train.checkpoint_every=2", "eval.limit=0", "runtime.threads=1"]
-
-
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("base")
@@ -73,48 +66,6 @@ def finished_run(tmp_path_factory):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return out
-
-
-def _cut(path: Path, keep: int | None = None) -> None:
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2 if keep is None else keep])
-
-
-def _no_heads(d: Path) -> None:  # training reruns from the checkpoints (train.steps is raised to 6)
-    shutil.rmtree(d / "head")
-    shutil.rmtree(d / "head_soft_label")
-
-
-HEAD_DAMAGE = {
-    "config truncated": (lambda d: _cut(d / "head" / "config.json"), "config.json' is not valid JSON"),
-    "config empty": (lambda d: _cut(d / "head" / "config.json", 0), "config.json' is not valid JSON"),
-    "config without target": (lambda d: (d / "head" / "config.json").write_text(json.dumps(
-        {k: v for k, v in json.loads((d / "head" / "config.json").read_text()).items() if k != "target"})),
-        "lacks ['target']"),
-    "weights truncated": (lambda d: _cut(d / "head" / "model.safetensors"), "model.safetensors' cannot be read"),
-    "weights empty": (lambda d: _cut(d / "head" / "model.safetensors", 0), "model.safetensors' cannot be read"),
-    "weights garbage": (lambda d: (d / "head" / "model.safetensors").write_bytes(os.urandom(5000)), "cannot be read"),
-    "a file, not a directory": (lambda d: (shutil.rmtree(d / "head"), (d / "head").write_text("x")),
-                                "is not a draft checkpoint"),
-}
-RUN_DAMAGE = {
-    "checkpoint weights truncated": (lambda d: _cut(d / "checkpoints" / "step_4" / "model.safetensors"),
-                                     "checkpoints/step_4' cannot be read"),
-    "optimizer truncated": (lambda d: _cut(d / "checkpoints" / "step_4" / "optimizer.bin"),
-                            "checkpoints/step_4' cannot be read"),
-    "feature manifest damaged": (lambda d: _cut(d / "data" / "features" / "manifest.json"), "manifest.json' is damaged"),
-    "feature shard missing": (lambda d: (d / "data" / "features" / "shard_00000.safetensors").unlink(),
-                              "shard_00000.safetensors' cannot be read"),
-    "feature shard damaged": (lambda d: _cut(d / "data" / "features" / "shard_00000.safetensors"),
-                              "shard_00000.safetensors' cannot be read"),
-    "record without id": (lambda d: (d / "data" / "regenerated.jsonl").write_text(
-        (d / "data" / "regenerated.jsonl").read_text().replace('"id": 0,', "", 1)), "is not a regenerated record"),
-}
-RECOVERS = {  # damage a rerun repairs by itself, resuming to the same head
-    "empty checkpoint marker": lambda d: _cut(d / "checkpoints" / "step_4" / "trainer_state.json", 0),
-    "torn metrics line": lambda d: _cut(d / "metrics.jsonl", len((d / "metrics.jsonl").read_bytes()) - 7),
-    "damaged data report": lambda d: _cut(d / "data" / "data_report.json"),
-}
 
 
 @pytest.mark.parametrize("case", sorted(HEAD_DAMAGE))
@@ -133,7 +84,7 @@ def test_a_damaged_head_is_named(finished_run, tmp_path, capsys, case):
 def test_a_damaged_run_directory_is_named_or_repaired(finished_run, tmp_path, case):
     d = tmp_path / "run"
     shutil.copytree(finished_run, d, symlinks=True)
-    _no_heads(d)
+    no_heads(d)
     (RUN_DAMAGE[case][0] if case in RUN_DAMAGE else RECOVERS[case])(d)
     r = subprocess.run([sys.executable, "-m", "train.distill", *RUN, "train.steps=6", f"output_dir={d}",
                         *(["data.max_records=9"] if case == "record without id" else [])], cwd=ROOT,

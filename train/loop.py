@@ -182,7 +182,7 @@ def check_settings(path: Path, settings: dict, what: str) -> None:
     keys = sorted(set(recorded) | set(settings))
     diff = [f"{k}: {recorded.get(k)!r} there, {settings.get(k)!r} now" for k in keys if recorded.get(k) != settings.get(k)]
     if diff:
-        raise DraftheadsError(f"{what} were made with other settings ({'; '.join(diff[:4])}); rerun with the same "
+        raise DraftheadsError(f"{what} came from other settings ({'; '.join(diff[:4])}); rerun with the same "
                               "settings to resume, set train.resume=false to start over, or use another output_dir")
 
 
@@ -334,8 +334,13 @@ def _full_state(accelerator, model) -> dict | None:
 
 
 def _read_best(root: Path) -> dict | None:
-    path = root / "best" / "best.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    """The best checkpoint's record; a missing or damaged one (the save never finished) counts as none."""
+    try:
+        best = json.loads((root / "best" / "best.json").read_text())
+    except (OSError, ValueError):
+        return None
+    complete = isinstance(best, dict) and {"step", "val_loss"} <= best.keys()
+    return best if complete and (root / "best" / "model.safetensors").is_file() else None
 
 
 def _save_best(accelerator, model, best_dir: Path, best: dict) -> None:
