@@ -231,8 +231,8 @@ CASES = [
     Case("traceback before", "head: weights of the wrong shape", head_acceptance, wrong_shapes),
     *(Case("traceback before", f"run: {n}", resume(*(["data.max_records=9"] if n == "record without id" else [])),
            lambda d, dmg=dmg: (no_heads(d), dmg(d))) for n, (dmg, _) in RUN_DAMAGE.items()),
-    Case("traceback before", "run: scheduler.bin missing", resume(),
-         lambda d: (no_heads(d), (d / "checkpoints" / "step_4" / "scheduler.bin").unlink())),
+    Case("traceback before", "run: a checkpoint's random states missing", resume(),
+         lambda d: (no_heads(d), (d / "checkpoints" / "step_4" / "random_states_0.pkl").unlink())),
     *(Case("traceback before", f"run: {n}", resume(), lambda d, r=r: (no_heads(d), r(d)), finished_once)
       for n, r in RECOVERS.items() if n != "empty checkpoint marker"),
     *(bad("traceback before", distill, o, fresh=True) for o in (
