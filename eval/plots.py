@@ -37,19 +37,29 @@ def plot_tau_table(rows: list[dict], path: Path, title: str = "") -> Path | None
     series: dict[tuple, list] = {}
     for r in rows:
         series.setdefault((r["source"], r["T"]), []).append(r)
-    for (source, t), rs in sorted(series.items()):
+    one_k = len({r["k"] for r in rows}) == 1  # a line through one point says nothing: bars per source instead
+    for i, ((source, t), rs) in enumerate(sorted(series.items())):
         rs = sorted(rs, key=lambda r: r["k"])
-        left.plot([r["k"] for r in rs], [r["tau"] for r in rs], marker="o", label=f"{source}, T={t:g}")
+        if one_k:
+            bar = left.bar(i, rs[0]["tau"], label=f"{source}, T={t:g}", color=f"C{i}")
+            left.bar_label(bar, fmt="%.3f", fontsize=8)
+        else:
+            left.plot([r["k"] for r in rs], [r["tau"] for r in rs], marker="o", label=f"{source}, T={t:g}")
         last = rs[-1]
         acc = [None if a == "-" else float(a) for a in str(last["acceptance"]).split()]
         right.plot([i + 1 for i, a in enumerate(acc) if a is not None], [a for a in acc if a is not None],
-                   marker="o", label=f"{source}, T={t:g}, K={last['k']}")
-    left.set(xlabel="draft length K (tree: nodes)", ylabel="τ (tokens per target forward)", title="τ against K")
+                   marker="o", color=f"C{i}", label=f"{source}, T={t:g}, K={last['k']}")
+    if one_k:
+        left.set(xticks=[], xlabel=f"source (K={rows[0]['k']})", title=f"τ at K={rows[0]['k']}")
+    else:
+        left.set(xlabel="draft length K (tree: nodes)", title="τ against K")
+        left.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    left.set(ylabel="τ (tokens per target forward)")
     left.set_ylim(bottom=1.0)  # τ >= 1: every forward emits at least its bonus token
     right.set(xlabel="position", ylabel="P(accepted | previous accepted)", ylim=(0, 1.05),
               title="acceptance per position")
+    right.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     for ax in (left, right):
-        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if title:
