@@ -3,9 +3,9 @@
     python -m eval.kill_harness --kills 50 --out outputs/kill_harness      # ~10 min on 2 cores
 
 One reference run of `train.distill +experiment=smoke` (tiny target: regeneration, features, soft labels, RL) runs
-to the end. Then kill sequences start the same command in fresh directories and SIGKILL it after a random delay
-(uniform over the reference's duration), again and again, until a launch survives; sequences repeat until --kills
-kills happened. After each kill the harness notes how far the run had come (records, shards, checkpoints, heads on
+to the end. Then kill sequences start the same command in fresh directories and SIGKILL it at a random moment of a
+randomly drawn stage (`kill_at`), again and again, until a launch survives; sequences repeat until --kills kills
+happened. After each kill the harness notes how far the run had come (records, shards, checkpoints, heads on
 disk). Every sequence's final regenerated records, feature shards and heads must equal the reference's (bitwise;
 weights within 1e-6) and every metrics line must appear once. Prints ONE JSON line last.
 """
@@ -79,6 +79,27 @@ def same(a: dict, b: dict) -> tuple[bool, float]:
     return worst <= 1e-6, worst
 
 
+PROGRESS = ("startup", "regeneration", "features", "soft_label", "between stages", "rl", "done")
+
+
+def kill_at(proc: subprocess.Popen, run_dir: Path, stage: str, rng: random.Random, duration: float) -> bool:
+    """SIGKILL the run at a random moment of `stage` (the tiny target's stages last from 0.1 s to seconds, so a kill
+    drawn uniformly over the run would rarely land in the short ones): wait until its files show that stage, then a
+    random 0-0.5 s more; "startup" = uniformly over the reference's duration. False when the run ended first."""
+    deadline = time.perf_counter() + 3 * duration  # never wait forever (e.g. on a run that stalls)
+    if stage != "startup":
+        while (proc.poll() is None and PROGRESS.index(progress(run_dir)) < PROGRESS.index(stage)
+               and time.perf_counter() < deadline):
+            time.sleep(0.01)
+    try:
+        proc.wait(timeout=rng.uniform(0.0, duration if stage == "startup" else 0.5))
+        return False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        return True
+
+
 def run_harness(kills: int, out: Path, seed: int = 0) -> dict:
     rng = random.Random(seed)
     shutil.rmtree(out, ignore_errors=True)
@@ -96,12 +117,7 @@ def run_harness(kills: int, out: Path, seed: int = 0) -> dict:
         while True:
             launches += 1
             proc = launch(run_dir)
-            delay = rng.uniform(0.0, duration)
-            try:
-                proc.wait(timeout=delay)
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
+            if kill_at(proc, run_dir, rng.choice(PROGRESS), rng, duration):
                 done += 1
                 where[progress(run_dir)] += 1
                 continue
