@@ -55,6 +55,7 @@ from data.draft_file_count import WindowSpec
 from data.draft_file_partition import Partitions
 from data.draft_file_tokenize import TokenStream, is_validation, iter_token_batches
 from models.errors import DraftheadsError, cli
+from models.files import check_writable
 
 THRESHOLDS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 
@@ -348,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "stats":
         print(json.dumps(stats(DraftFile(args.file))))
         return
+    if args.cmd in ("build", "merge"):
+        check_writable(args.out, "--out")
     tokenizer, name, vocab = load_tokenizer(args.target)
     if args.cmd == "inspect":
         f = DraftFile(args.file)

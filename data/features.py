@@ -31,16 +31,11 @@ from torch import Tensor
 from tqdm import tqdm
 
 from models.errors import DraftheadsError
+from models.files import write_atomic
 from models.target import Target
 
 MANIFEST = "manifest.json"
 FEATURE_DTYPES = ("bfloat16", "int8")
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def part_block(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -110,9 +105,9 @@ def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out
                     _digest_update(digest, b["input_ids"], b["loss_mask"])
                 _write_shard(out, manifest, buffer, digest.hexdigest(), prefix)
                 buffer, buffered = [], 0
-                _write_json_atomic(mpath, manifest)
+                write_atomic(mpath, json.dumps(manifest, indent=1))
     manifest["complete"] = True
-    _write_json_atomic(mpath, manifest)
+    write_atomic(mpath, json.dumps(manifest, indent=1))
     elapsed = time.perf_counter() - t0
     tokens = sum(s["tokens"] for s in manifest["shards"])
     size = sum((out / s["file"]).stat().st_size for s in manifest["shards"])
@@ -148,7 +143,7 @@ def merge_parts(out_dir: str | Path, world: int) -> dict:
         raise DraftheadsError(f"feature directory '{out}': a rank's part is incomplete; rerun the same command")
     merged = {**parts[0], "shards": [s for p in parts for s in p["shards"]],
               "sequences_done": sum(p["sequences_done"] for p in parts), "complete": True, "parts": world}
-    _write_json_atomic(out / MANIFEST, merged)
+    write_atomic(out / MANIFEST, json.dumps(merged, indent=1))
     return merged
 
 

@@ -30,6 +30,7 @@ from data.readers import Conversation
 from inference.runtime import Runtime
 from inference.sampling import SamplingConfig
 from models.errors import DraftheadsError
+from models.files import write_atomic
 from models.target import Target, _parse_dtype
 
 
@@ -142,9 +143,7 @@ def merge_parts(tokenizer, conversations: list[Conversation], out_path: str | Pa
     if missing:
         raise DraftheadsError(f"regeneration parts in '{out_path.parent}' lack {len(missing)} records (e.g. id "
                               f"{missing[0]}); rerun the same command to finish them")
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(records[i], ensure_ascii=False) + "\n" for i in order), encoding="utf-8")
-    os.replace(tmp, out_path)
+    write_atomic(out_path, "".join(json.dumps(records[i], ensure_ascii=False) + "\n" for i in order))
 
 
 def _generate_batch(decoder, batch: list[tuple], turns: int, max_new: int, temperature: float,

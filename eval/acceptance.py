@@ -28,10 +28,11 @@ from data.chat import prompt_ids
 from conf.schema import at_least, between, check_args
 from eval.plots import plot_tau_table
 from inference.threads import available_threads
-from eval.report import check_writable_file, markdown_table, write_report
+from eval.report import markdown_table, write_report
 from inference.generate import SpecResult, speculative_generate
 from inference.sampling import SamplingConfig
 from models.errors import DraftheadsError, cli
+from models.files import check_writable
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORY_ALIASES = {"mt_bench": MT_BENCH}
@@ -212,7 +213,7 @@ def run(args: argparse.Namespace, target=None) -> dict:
     from models.target import load_target
 
     check_args(args, CLI_RULES)
-    check_writable_file(args.out)
+    check_writable(args.out, "--out")
     torch.set_num_threads(available_threads(args.threads))
     prompts = load_prompts(args.prompts, parse_categories(args.categories), args.limit, args.skip)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from data.features import MANIFEST, FeatureDataset, _write_json_atomic, _write_shard
+from data.features import MANIFEST, FeatureDataset, _write_shard
 from models.errors import DraftheadsError, exit_on_error
+from models.files import write_atomic
 
 LEGACY_SHARD_TOKENS = 16384
 
@@ -66,7 +67,7 @@ def legacy_copy(src: FeatureDataset, dst: Path) -> Path:
             _write_shard(dst, manifest, buffer, "", "shard")
             buffer, tokens = [], 0
     manifest["complete"] = True
-    _write_json_atomic(dst / MANIFEST, manifest)
+    write_atomic(dst / MANIFEST, json.dumps(manifest, indent=1))
     return dst
 
 

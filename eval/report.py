@@ -39,15 +39,3 @@ def write_report(out: str | Path, results: dict, markdown: str, title: str | Non
     return out, md
 
 
-def check_writable_file(path: str | Path) -> None:
-    """Before a benchmark runs: the results file's directory exists (or can be made) and takes files."""
-    from models.errors import DraftheadsError
-
-    out = Path(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        probe = out.with_name(out.name + ".probe")
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise DraftheadsError(f"--out '{out}' cannot be written ({e.strerror}); pick another path") from None

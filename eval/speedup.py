@@ -30,13 +30,13 @@ import torch
 from data.chat import prompt_ids
 from conf.schema import at_least, check_args
 from eval.acceptance import CLI_RULES, load_prompts, parse_categories
-from eval.report import check_writable_file
 from inference.runtime import Runtime, RuntimeStats
 from inference.threads import CompetingLoad, available_threads
 from inference.sampling import SamplingConfig
 from inference.schedulers import ConfidencePrefix, DynamicK
 from inference.sources import build_source, source_layer_ids
 from models.errors import DraftheadsError, cli
+from models.files import check_writable
 from models.target import DEFAULT_TARGET, load_target
 
 MODES = ("plain", "spec", "hf_generate", "hf_prompt_lookup")
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
     check_args(args, {**CLI_RULES, "k_max": at_least(1), "batch": at_least(1), "repeats": at_least(1),
                       "load": at_least(0)})
     if args.out:
-        check_writable_file(args.out)
+        check_writable(args.out, "--out")
     with CompetingLoad(args.load):
         return _run(args)
 

@@ -109,7 +109,7 @@ def test_an_unwritable_output_dir_is_refused_before_any_work(tmp_path):
     (tmp_path / "file").write_text("")  # a directory cannot be made inside a file (chmod does not stop root)
     r = _cli("+experiment=smoke", f"output_dir={tmp_path}/file/run")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-1000:]
-    assert r.stderr.strip().splitlines()[-1] == (f"error: output_dir '{tmp_path}/file/run' is not writable (Not a "
+    assert r.stderr.strip().splitlines()[-1] == (f"error: output_dir '{tmp_path}/file/run' cannot be written (Not a "
                                                  "directory); pick another output_dir")
 
 

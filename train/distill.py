@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from conf.schema import check_config, register_configs
 from models.checkpoint import read_draft_config
 from models.errors import DraftheadsError
+from models.files import check_writable
 from models.families import family
 
 register_configs()
@@ -164,17 +165,6 @@ def disk_full_message(e: BaseException, out: Path) -> str:
             f"parameter) and rerun the same command: it resumes where it stopped")
 
 
-def check_writable(out: Path) -> None:
-    """Before any work: the output directory exists (or can be made) and takes files."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_probe"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise DraftheadsError(f"output_dir '{out}' is not writable ({e.strerror}); pick another output_dir") from None
-
-
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
@@ -196,7 +186,7 @@ def main(cfg: DictConfig) -> None:
         if cfg.runtime.device == "cuda" and not torch.cuda.is_available():
             raise DraftheadsError("runtime.device=cuda but this machine has no CUDA device; use runtime=cpu")
         # more than one process asked for: exec torchrun over these arguments, the workers in this run's Hydra dir
-        check_writable(Path(cfg.output_dir))
+        check_writable(cfg.output_dir, "output_dir", directory=True)
         relaunch(cfg.accelerate, sys.argv[1:], HydraConfig.get().runtime.output_dir, cfg.runtime.device)
         run(cfg)
     except DraftheadsError as e:
@@ -219,7 +209,7 @@ def output_dir_from_argv(argv: list[str]) -> Path:
 if __name__ == "__main__":
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     try:
-        check_writable(output_dir_from_argv(sys.argv[1:]))
+        check_writable(output_dir_from_argv(sys.argv[1:]), "output_dir", directory=True)
     except DraftheadsError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

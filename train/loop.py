@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import DraftheadsError
+from models.files import write_atomic
 from train.temperature import temperature_at
 
 SUMMED = ("tokens", "val_blocks")  # stats added up over micro-batches and ranks; every other one is averaged
@@ -151,12 +152,6 @@ class RunLog:
                                step=offset + row["step"])
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def lr_factor(step: int, warmup: int, steps: int, floor: float = 0.1) -> float:
     """Linear warmup over `warmup` steps, then cosine down to `floor` at `steps`."""
     if step < warmup:
@@ -214,6 +209,11 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
     step = 0
     last = newest_checkpoint(stage.ckpt_root)
     if last is not None:
+        states = last / f"random_states_{accelerator.process_index}.pkl"  # every strategy writes one per rank
+        if not states.is_file():
+            raise DraftheadsError(f"checkpoint '{last}' is incomplete ('{states.name}' is missing), so it cannot "
+                                  "resume exactly; delete that directory to resume from the checkpoint before it, or "
+                                  "set train.resume=false to start the stage over")
         try:
             accelerator.load_state(str(last))
         except Exception as e:  # a truncated or garbled model / optimizer file of a killed or damaged run

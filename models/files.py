@@ -1,0 +1,34 @@
+"""Writing files so that a kill or a full disk never leaves half of one, and refusing an unwritable path before work.
+
+Every progress file (markers, manifests, settings, a merged record file) is written whole to a temporary name and
+renamed over the old one: a reader sees the old file or the new one, never a mix. JSONL logs are appended instead.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from models.errors import DraftheadsError
+
+
+def write_atomic(path: str | Path, data: bytes | str) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+def check_writable(path: str | Path, name: str, directory: bool = False) -> None:
+    """Before any work: `path` (a directory, or a file's directory) exists or can be made, and takes files.
+    `name` is what the user set (`output_dir`, `--out`): the error names it."""
+    path = Path(path)
+    where = path if directory else path.parent
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe = where / f".{path.name}.write_probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise DraftheadsError(f"{name} '{path}' cannot be written ({e.strerror}); pick another "
+                              f"{name if directory else 'path'}") from None
