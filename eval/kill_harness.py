@@ -82,14 +82,24 @@ def same(a: dict, b: dict) -> tuple[bool, float]:
 PROGRESS = ("startup", "regeneration", "features", "soft_label", "between stages", "rl", "done")
 
 
-def kill_at(proc: subprocess.Popen, run_dir: Path, stage: str, rng: random.Random, duration: float) -> bool:
+def written_since(run_dir: Path, t0: float) -> bool:
+    """Has the launched process itself written progress (records, shards, metrics, checkpoints, heads) yet?"""
+    paths = [run_dir / "data" / "regenerated.jsonl", run_dir / "data" / "features" / "manifest.json",
+             run_dir / "metrics.jsonl", run_dir / "head_soft_label" / "config.json", run_dir / "head" / "config.json",
+             *run_dir.glob("checkpoints*/step_*")]
+    return any(p.exists() and p.stat().st_mtime > t0 for p in paths)
+
+
+def kill_at(proc: subprocess.Popen, run_dir: Path, stage: str, rng: random.Random, duration: float,
+            launched: float) -> bool:
     """SIGKILL the run at a random moment of `stage` (the tiny target's stages last from 0.1 s to seconds, so a kill
-    drawn uniformly over the run would rarely land in the short ones): wait until its files show that stage, then a
-    random 0-0.5 s more; "startup" = uniformly over the reference's duration. False when the run ended first."""
+    drawn uniformly over the run would rarely land in the short ones): wait until its files show that stage and the
+    process has written something itself, then a random 0-0.5 s more; "startup" = uniformly over the reference's
+    duration. A stage already behind the run is met at the run's next write. False when the run ended first."""
     deadline = time.perf_counter() + 3 * duration  # never wait forever (e.g. on a run that stalls)
     if stage != "startup":
-        while (proc.poll() is None and PROGRESS.index(progress(run_dir)) < PROGRESS.index(stage)
-               and time.perf_counter() < deadline):
+        while proc.poll() is None and time.perf_counter() < deadline and not (
+                PROGRESS.index(progress(run_dir)) >= PROGRESS.index(stage) and written_since(run_dir, launched)):
             time.sleep(0.01)
     try:
         proc.wait(timeout=rng.uniform(0.0, duration if stage == "startup" else 0.5))
@@ -116,8 +126,9 @@ def run_harness(kills: int, out: Path, seed: int = 0) -> dict:
         launches = 0
         while True:
             launches += 1
+            launched = time.time()
             proc = launch(run_dir)
-            if kill_at(proc, run_dir, rng.choice(PROGRESS), rng, duration):
+            if kill_at(proc, run_dir, rng.choice(PROGRESS), rng, duration, launched):
                 done += 1
                 where[progress(run_dir)] += 1
                 continue
