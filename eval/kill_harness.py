@@ -126,14 +126,16 @@ def run_harness(kills: int, out: Path, seed: int = 0) -> dict:
         launches = 0
         while True:
             launches += 1
+            finished = progress(run_dir) == "done"  # a rerun of a finished directory only rewrites its report
             launched = time.time()
             proc = launch(run_dir)
-            if kill_at(proc, run_dir, rng.choice(PROGRESS), rng, duration, launched):
+            if not finished and kill_at(proc, run_dir, rng.choice(PROGRESS), rng, duration, launched):
                 done += 1
                 where[progress(run_dir)] += 1
                 continue
+            err = proc.communicate()[1]
             if proc.returncode != 0:
-                raise SystemExit(f"a resumed run failed in {run_dir}:\n{proc.stderr.read()[-2000:]}")
+                raise SystemExit(f"a resumed run failed in {run_dir}:\n{err[-2000:]}")
             break
         equal, worst = same(reference, outputs(run_dir))
         sequences.append({"dir": str(run_dir), "launches": launches, "equal": equal, "max_weight_diff": worst})
