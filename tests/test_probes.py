@@ -108,3 +108,21 @@ def test_an_unwritable_out_is_refused_before_the_benchmark(tmp_path, capsys):
 def test_a_prompts_path_that_is_a_directory_is_named(tmp_path, capsys):
     code = acceptance.main(["--prompts", str(tmp_path), "--source", "prompt_lookup", "--out", str(tmp_path / "a.json")])
     assert code == 2 and "prompt file" in capsys.readouterr().err
+
+
+def test_a_directory_as_the_data_file_is_named(tmp_path):
+    from data.readers import read_conversations
+    from models.errors import DraftheadsError
+
+    with pytest.raises(DraftheadsError, match="is a directory"):
+        list(read_conversations("chat_jsonl", str(tmp_path)))
+
+
+def test_a_draft_file_out_under_a_file_is_refused_before_the_build(tmp_path, capsys):
+    from data.draft_file_build import main
+
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "x.dfl"
+    code = main(["build", "--corpus", PROMPTS, "--target", "tiny-random-llama", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(f"error: --out '{out}' cannot be written (") and err.endswith("another path")
