@@ -45,9 +45,10 @@ step() {  # step NAME SECONDS CMD...: run with a timeout, log, keep the last JSO
 
 step env 30 $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, \
 transformers.__version__, torch.cuda.get_device_name(0))"
-# training reads Hydra's schemas: install hydra-core / omegaconf from the shared wheels when the image lacks them
+# training reads Hydra's schemas: install hydra-core / omegaconf from a wheel directory when the image lacks them
+# ($WHEELS, or shared/wheels inside the checkout where the machine provides one)
 WHEELS=${WHEELS:-}
-for w in shared/wheels ../shared/wheels; do [ -z "$WHEELS" ] && [ -d "$w" ] && WHEELS=$w; done
+[ -z "$WHEELS" ] && [ -d shared/wheels ] && WHEELS=shared/wheels
 $PY -c "import hydra" 2>/dev/null || { [ -n "$WHEELS" ] && $PY -m pip install -q --no-index --find-links "$WHEELS" \
   hydra-core omegaconf > "$OUT/deps.log" 2>&1; }
 # kernels vs references on the GPU, and the CPU test suite of the runtime under this image's torch
