@@ -99,9 +99,10 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
                 merge_regenerated(target.tokenizer, convs, out / "regenerated.jsonl", workers.world, d.regen_turns,
                                   d.regen_batch_size, max_prompt)
             workers.wait()
-        records = sorted((r for r in (json.loads(line) for line in (out / "regenerated.jsonl").read_bytes()
-                                      .split(b"\n") if line.strip()) if r["id"] < len(convs)),
-                         key=lambda r: r["id"])  # records past a lowered data.max_records stay on disk, unused
+        lines = (out / "regenerated.jsonl").read_bytes().split(b"\n")
+        records = [r for r in map(json.loads, filter(bytes.strip, lines))
+                   if r["id"] < len(convs)]  # records past a lowered data.max_records stay on disk, unused
+        records.sort(key=lambda r: r["id"])
         chats = [(r["conversation"], not r["finished"][-1]) for r in records]
     else:
         chats = [(c, False) for c in convs]

@@ -137,7 +137,7 @@ def acceptance(*flags: str) -> Callable[[Path], list[str]]:
 
 
 def head_acceptance(d: Path) -> list[str]:
-    return [*acceptance("--source", f"head:{d}/head")(d)]
+    return acceptance("--source", f"head:{d}/head")(d)
 
 
 def speedup(*flags: str) -> Callable[[Path], list[str]]:
