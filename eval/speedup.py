@@ -79,6 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "source gives no confidences)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--skip", type=int, default=0, help="skip the first N prompt records (e.g. those trained on)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="0 = the free CPUs of this process (inference/threads.py)")
     ap.add_argument("--load", type=int, default=0, help="run N single-threaded busy processes beside the measurement")
@@ -145,7 +146,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, bool]:
     # one source per batch slot: sources may keep per-request state (a head's draft KV cache)
     sources = [build_source(args.source, target) for _ in range(args.batch)]
     sampling = SamplingConfig(temperature=args.temperature)
-    records = load_prompts(args.prompts, parse_categories(args.categories), args.limit)
+    records = load_prompts(args.prompts, parse_categories(args.categories), args.limit, args.skip)
     tok = target.tokenizer
     prompts = [prompt_ids(tok, [{"role": "user", "content": r["turns"][0]}]).tolist() for r in records]
 
