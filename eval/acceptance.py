@@ -19,7 +19,6 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,8 +28,9 @@ from conf.schema import at_least, between, check_args
 from eval.plots import plot_tau_table
 from inference.threads import available_threads
 from eval.report import markdown_table, write_report
-from inference.generate import SpecResult, speculative_generate
+from inference.generate import speculative_generate
 from inference.sampling import SamplingConfig
+from inference.stats import DecodeStats, Generation
 from models.errors import DraftheadsError, cli
 from models.files import check_writable
 
@@ -81,68 +81,17 @@ def load_prompts(path: str | Path, categories: list[str] | None = None, limit: i
     return prompts
 
 
-@dataclass
-class Tally:
-    """Sums of SpecResults for one category."""
-
-    k: int
-    prompts: int = 0
-    turns: int = 0
-    tokens: int = 0
-    rounds: int = 0
-    drafted: int = 0  # draft tokens proposed, all rounds
-    draft_time: float = 0.0
-    verify_time: float = 0.0
-    tested: torch.Tensor = field(default=None)
-    accepted: torch.Tensor = field(default=None)
-    records: list = field(default_factory=list)  # one small dict per turn, to spot outliers
-
-    def __post_init__(self):
-        self.tested = torch.zeros(self.k, dtype=torch.long)
-        self.accepted = torch.zeros(self.k, dtype=torch.long)
-
-    def add(self, res: SpecResult, **about) -> None:
-        self.records.append({**about, "tokens": len(res.tokens), "rounds": res.n_verify, "tau": round(res.tau, 4)})
-        self.turns += 1
-        self.tokens += len(res.tokens)
-        self.rounds += res.n_verify
-        self.drafted += sum(res.draft_lengths)
-        self.draft_time += res.draft_time
-        self.verify_time += res.verify_time
-        self.tested += res.tested
-        self.accepted += res.accepted
-
-    def merge(self, other: "Tally") -> None:
-        for name in ("prompts", "turns", "tokens", "rounds", "drafted", "draft_time", "verify_time"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.tested += other.tested
-        self.accepted += other.accepted
-
-    def summary(self) -> dict:
-        rounds = max(self.rounds, 1)
-        return {
-            "prompts": self.prompts,
-            "turns": self.turns,
-            "tokens": self.tokens,
-            "rounds": self.rounds,
-            "tau": self.tokens / rounds,
-            "mean_draft_len": self.drafted / rounds,
-            "acceptance": [a / t if t else None for a, t in zip(self.accepted.tolist(), self.tested.tolist())],
-            "tested": self.tested.tolist(),
-            "draft_ms_per_round": 1000 * self.draft_time / rounds,
-            "verify_ms_per_round": 1000 * self.verify_time / rounds,
-        }
+def generate_turn(runtime, target, source, ids, max_new: int, k: int, sampling: SamplingConfig,
+                  seed: int) -> Generation:
+    """One turn through the runtime (batch 1), or the reference loop when `runtime` is None."""
+    if runtime is None:
+        return speculative_generate(target, source, ids, max_new, k, sampling, seed=seed)
+    return runtime.generate([ids], max_new, source, sampling=sampling, k=k, seed=seed)
 
 
-def runtime_generate(runtime, source, ids: list[int], max_new: int, k: int, sampling: SamplingConfig,
-                     seed: int) -> SpecResult:
-    """One request through the tree runtime, tallied like the reference loop (position j = tree depth j)."""
-    gen = runtime.generate([ids], max_new, source, sampling=sampling, k=k, seed=seed)
-    stats = gen.stats
-    return SpecResult(tokens=gen.tokens[0], n_verify=stats.rounds, k=k, draft_lengths=[stats.proposed],
-                      tested=torch.tensor([stats.tested[j] for j in range(k)]),
-                      accepted=torch.tensor([stats.accepted[j] for j in range(k)]),
-                      draft_time=stats.draft_s, verify_time=stats.verify_s, prefill_time=stats.prefill_s)
+def category_summary(stats: DecodeStats, turns: list[dict]) -> dict:
+    """A category's (or all categories') DecodeStats summary, with the prompts its turns came from."""
+    return {"prompts": sum(t["turn"] == 0 for t in turns), **stats.summary()}
 
 
 def resolve_engine(engine: str, target) -> str:
@@ -153,8 +102,10 @@ def resolve_engine(engine: str, target) -> str:
 
 
 def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfig, max_new: int, seed: int = 0,
-            progress: bool = True, save_tokens: bool = False, engine: str = "auto") -> dict[str, Tally]:
-    """Run every prompt (all its turns) -> {category: Tally}; save_tokens keeps each turn's output ids.
+            progress: bool = True, save_tokens: bool = False,
+            engine: str = "auto") -> tuple[dict[str, DecodeStats], list[dict]]:
+    """Run every prompt (all its turns) -> ({category: DecodeStats}, one record per turn in order); save_tokens
+    keeps each turn's output ids in its record.
     engine: 'runtime', 'reference' (chains only: the oracle), or 'auto' (see resolve_engine)."""
     from tqdm import tqdm
 
@@ -163,23 +114,22 @@ def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfi
         from inference.runtime import Runtime
 
         runtime = Runtime(target, max_len=4096, batch_size=1)
-    tallies: dict[str, Tally] = {}
+    categories: dict[str, DecodeStats] = {}
+    turns: list[dict] = []
     for i, prompt in enumerate(tqdm(prompts, desc=f"acceptance {source.name} k={k}", disable=not progress,
                                     file=sys.stderr, dynamic_ncols=True)):
-        tally = tallies.setdefault(prompt["category"], Tally(k))
-        tally.prompts += 1
         messages = []
         for turn, user in enumerate(prompt["turns"]):
             messages.append({"role": "user", "content": user})
             ids = prompt_ids(target.tokenizer, messages)  # chat template + generation prompt
-            turn_seed = seed + 1000 * i + turn
-            res = speculative_generate(target, source, ids, max_new, k, sampling, seed=turn_seed) if runtime is None \
-                else runtime_generate(runtime, source, ids, max_new, k, sampling, turn_seed)
-            about = {"question_id": prompt.get("question_id", i), "category": prompt["category"], "turn": turn}
-            tally.add(res, **about, **({"output_ids": res.tokens} if save_tokens else {}))
-            answer = target.tokenizer.decode(res.tokens, skip_special_tokens=True)
-            messages.append({"role": "assistant", "content": answer})
-    return tallies
+            gen = generate_turn(runtime, target, source, ids, max_new, k, sampling, seed + 1000 * i + turn)
+            categories[prompt["category"]] = categories.get(prompt["category"], DecodeStats()) + gen.stats
+            output = gen.tokens[0]
+            turns.append({"question_id": prompt.get("question_id", i), "category": prompt["category"], "turn": turn,
+                          "tokens": len(output), "rounds": gen.stats.rounds, "tau": round(gen.stats.tau, 4),
+                          **({"output_ids": output} if save_tokens else {})})
+            messages.append({"role": "assistant", "content": target.tokenizer.decode(output, skip_special_tokens=True)})
+    return categories, turns
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -221,12 +171,8 @@ def run(args: argparse.Namespace, target=None) -> dict:
         target = load_target(args.target, path=args.target_path, layer_ids=source_layer_ids(args.source),
                              dtype=args.dtype)
     source = build_source(args.source, target)
-    tallies = measure(target, source, prompts, args.k, sampling, args.max_new, args.seed, not args.no_progress,
-                      args.save_tokens, args.engine)
-
-    overall = Tally(args.k)
-    for tally in tallies.values():
-        overall.merge(tally)
+    categories, turns = measure(target, source, prompts, args.k, sampling, args.max_new, args.seed,
+                                not args.no_progress, args.save_tokens, args.engine)
     return {
         "benchmark": "acceptance",
         "source": args.source,
@@ -239,9 +185,10 @@ def run(args: argparse.Namespace, target=None) -> dict:
         "seed": args.seed,
         "engine": resolve_engine(args.engine, target),
         "target": target.fingerprint,
-        "overall": overall.summary(),
-        "categories": {name: t.summary() for name, t in tallies.items()},
-        "turns": [r for t in tallies.values() for r in t.records],
+        "overall": category_summary(sum(categories.values(), DecodeStats(k=args.k)), turns),
+        "categories": {name: category_summary(stats, [t for t in turns if t["category"] == name])
+                       for name, stats in categories.items()},
+        "turns": turns,
     }
 
 
@@ -271,9 +218,8 @@ def main(argv=None) -> int:
     print(md)
     overall = results["overall"]
     print(json.dumps({"benchmark": "acceptance", "source": results["source"], "temperature": results["temperature"],
-                      "k": results["k"], "tau": round(overall["tau"], 4),
-                      "mean_draft_len": round(overall["mean_draft_len"], 4),
-                      "acceptance": [None if a is None else round(a, 4) for a in overall["acceptance"]],
+                      "k": results["k"], "tau": overall["tau"], "mean_draft_len": overall["mean_draft_len"],
+                      "acceptance": overall["acceptance"],
                       "tokens": overall["tokens"], "prompts": overall["prompts"], "out": str(out), "md": str(md_path)}))
     return 0
 

@@ -175,9 +175,10 @@ def hot_cold(path: Path, ctx: np.ndarray, fractions=(0.01, 0.05, 0.1, 0.25, 0.5,
 def tau(path: Path, limit: int, max_new: int, ks=(4, 8), threads: int = 1) -> dict:
     """tau per prompt set, K and source; through eval.acceptance.measure (the same loop as its CLI)."""
     from data.readers import read_humaneval
-    from eval.acceptance import Tally, load_prompts, measure
+    from eval.acceptance import load_prompts, measure
     from inference.sampling import SamplingConfig
     from inference.sources.draft_file import DraftFileSource
+    from inference.stats import DecodeStats
     from inference.sources.prompt_lookup import PromptLookup
     from models.target import load_target
 
@@ -193,13 +194,10 @@ def tau(path: Path, limit: int, max_new: int, ks=(4, 8), threads: int = 1) -> di
         for k in ks:
             for name, make in sources.items():
                 source = make()
-                overall = Tally(k)  # categories summed, as eval.acceptance reports "overall"
-                for t in measure(target, source, prompts, k, SamplingConfig(), max_new, progress=False).values():
-                    overall.merge(t)
-                s = overall.summary()
-                row = {"tau": round(s["tau"], 3), "mean_draft_len": round(s["mean_draft_len"], 2),
-                       "acceptance": [None if a is None else round(a, 4) for a in s["acceptance"]],
-                       "draft_ms_per_round": round(s["draft_ms_per_round"], 3), "tokens": s["tokens"], "rounds": s["rounds"]}
+                categories, _ = measure(target, source, prompts, k, SamplingConfig(), max_new, progress=False)
+                s = sum(categories.values(), DecodeStats(k=k)).summary()  # as eval.acceptance's "overall"
+                row = {key: s[key] for key in ("tau", "mean_draft_len", "acceptance", "draft_ms_per_round", "tokens",
+                                               "rounds")}
                 if hasattr(source, "stats"):
                     row["answered_by"] = dict(source.stats)
                 out[f"{set_name}/k{k}/{name}"] = row

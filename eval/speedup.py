@@ -30,7 +30,8 @@ import torch
 from data.chat import prompt_ids
 from conf.schema import at_least, check_args
 from eval.acceptance import CLI_RULES, load_prompts, parse_categories
-from inference.runtime import Runtime, RuntimeStats
+from inference.runtime import Runtime
+from inference.stats import DecodeStats
 from inference.threads import CompetingLoad, available_threads
 from inference.sampling import SamplingConfig
 from inference.schedulers import ConfidencePrefix, DynamicK
@@ -160,13 +161,13 @@ def _run(args: argparse.Namespace) -> tuple[dict, bool]:
     schedule = (lambda: DynamicK(k=args.k, k_max=args.k_max)) if args.dynamic_k else None
     prefix = ConfidencePrefix(cost) if args.prefix else None
 
-    def once(mode: str, batch: list[list[int]], stats: RuntimeStats | None):
+    def once(mode: str, batch: list[list[int]], stats: DecodeStats | None):
         if mode in ("plain", "spec"):
             source = sources[: len(batch)] if mode == "spec" else None
             g = rt.generate(batch, args.max_new, source=source, sampling=sampling,
                             k=args.k, schedule=schedule, prefix=prefix, seed=args.seed, ignore_eos=True)
             if stats is not None:
-                _merge(stats, g.stats)
+                stats += g.stats
             return g.tokens
         lookup = args.k if mode == "hf_prompt_lookup" else None
         return [hf_generate(target, p, args.max_new, sampling, lookup, args.seed) for p in batch]
@@ -175,21 +176,19 @@ def _run(args: argparse.Namespace) -> tuple[dict, bool]:
         once(mode, batches[0][1][:1], None)
     times = {m: defaultdict(list) for m in modes}  # mode -> batch index -> seconds per repeat
     outputs = {m: {} for m in modes}
-    spec_stats, cat_stats = RuntimeStats(), defaultdict(RuntimeStats)
+    cat_stats = defaultdict(DecodeStats)
     for rep in range(args.repeats):
         for bi, (cat, batch) in enumerate(batches):
             for mode in modes:
-                st = RuntimeStats() if (mode == "spec" and rep == 0) else None
+                st = cat_stats[cat] if (mode == "spec" and rep == 0) else None
                 toks, sec = timed(lambda: once(mode, batch, st))
                 times[mode][bi].append(sec)
                 if rep == 0:
                     outputs[mode][bi] = toks
-                if st is not None:
-                    _merge(spec_stats, st)
-                    _merge(cat_stats[cat], st)
             print(f"[speedup] repeat {rep} batch {bi + 1}/{len(batches)} ({cat}) "
                   + " ".join(f"{m}={times[m][bi][-1]:.2f}s" for m in modes), file=sys.stderr)
 
+    spec_stats = sum(cat_stats.values(), DecodeStats())
     n_tokens = [len(b) * args.max_new for _, b in batches]
     med = {m: [statistics.median(times[m][bi]) for bi in range(len(batches))] for m in modes}
     tps = {m: round(sum(n_tokens) / sum(med[m]), 2) for m in modes}
@@ -229,21 +228,13 @@ def _run(args: argparse.Namespace) -> tuple[dict, bool]:
         "speedup": round(tps["spec"] / tps["plain"], 3) if {"spec", "plain"} <= set(tps) else None,
         "plain_vs_hf": round(tps["plain"] / tps["hf_generate"], 3) if {"plain", "hf_generate"} <= set(tps) else None,
         "tau": round(spec_stats.tau, 3) if spec_stats.rounds else None,
-        **({k: v for k, v in spec_stats.summary().items() if k in ("per_position_accept", "accept_hist")}
+        **({k: v for k, v in spec_stats.summary().items() if k in ("acceptance", "accept_hist")}
            if spec_stats.rounds else {}),
         "per_category": per_cat, "lossless": lossless, "lossless_mismatches": mismatches,
         "plain_equals_hf_greedy": hf_match,
     }
     ok = not (args.check_lossless and lossless is False)
     return result, ok
-
-
-def _merge(total: RuntimeStats, part: RuntimeStats) -> None:
-    for name in ("rounds", "forwards", "emitted", "proposed", "prefill_s", "draft_s", "verify_s", "total_s"):
-        setattr(total, name, getattr(total, name) + getattr(part, name))
-    total.accept_hist.update(part.accept_hist)
-    total.tested.update(part.tested)
-    total.accepted.update(part.accepted)
 
 
 @cli

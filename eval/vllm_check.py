@@ -97,27 +97,26 @@ def conditional_acceptance(accepted_per_pos: list[int], drafts: int) -> list[flo
 
 
 def run_ours(target, head_spec: str, prompts: list[dict], k: int, max_new: int):
-    """Every turn of every prompt through eval.acceptance's loop -> (prompt ids per turn, output ids, Tally)."""
+    """Every turn of every prompt through eval.acceptance's loop -> (prompt ids per turn, output ids, DecodeStats)."""
     from data.chat import prompt_ids
-    from eval.acceptance import Tally, measure
+    from eval.acceptance import measure
     from inference.sampling import SamplingConfig
     from inference.sources import build_source
+    from inference.stats import DecodeStats
 
     source = build_source(head_spec, target)
     greedy = SamplingConfig(0.0, 1.0, 0)
-    overall, inputs, outputs = Tally(k), [], []
-    for prompt in prompts:
-        tallies = measure(target, source, [prompt], k, greedy, max_new, progress=False, save_tokens=True)
-        tally = tallies[prompt["category"]]
-        overall.merge(tally)
+    categories, turns = measure(target, source, prompts, k, greedy, max_new, progress=False, save_tokens=True)
+    inputs, by_prompt = [], {}
+    for record in turns:  # in prompt order, turns in order
+        by_prompt.setdefault(record["question_id"], []).append(record["output_ids"])
+    for i, prompt in enumerate(prompts):
         messages = []
-        for user, record in zip(prompt["turns"], tally.records):  # records are in turn order
+        for user, output in zip(prompt["turns"], by_prompt[prompt.get("question_id", i)]):
             messages.append({"role": "user", "content": user})
             inputs.append(prompt_ids(target.tokenizer, messages).tolist())
-            outputs.append(record["output_ids"])
-            messages.append({"role": "assistant", "content": target.tokenizer.decode(record["output_ids"],
-                                                                                     skip_special_tokens=True)})
-    return inputs, outputs, overall
+            messages.append({"role": "assistant", "content": target.tokenizer.decode(output, skip_special_tokens=True)})
+    return inputs, [r["output_ids"] for r in turns], sum(categories.values(), DecodeStats(k=k))
 
 
 def check_vllm_python(vllm_python: str) -> None:
@@ -237,7 +236,7 @@ def run(args: argparse.Namespace) -> dict:
                                   mask_token_id=args.mask_token_id)
 
     prompts = load_prompts(args.prompts, ["mt_bench"], args.limit)
-    inputs, ours, tally = run_ours(target, f"head:{args.head}", prompts, k, args.max_new)
+    inputs, ours, stats = run_ours(target, f"head:{args.head}", prompts, k, args.max_new)
     longest = max(map(len, inputs)) + args.max_new + k + 1
     if longest > args.max_model_len:
         raise DraftheadsError(f"a prompt needs {longest} positions but --max-model-len is {args.max_model_len}; "
@@ -258,12 +257,12 @@ def run(args: argparse.Namespace) -> dict:
         "n_turns": len(inputs),
         "k": k,
         "vllm_tau": 1 + c.get("spec_decode_num_accepted_tokens", 0) / drafts if drafts else None,
-        "our_tau": 1 + int(tally.accepted.sum()) / tally.rounds if tally.rounds else None,
-        "our_tau_eval_acceptance": tally.summary()["tau"],  # tokens / verification forwards (eval.acceptance)
+        "our_tau": 1 + sum(stats.accepted.values()) / stats.rounds if stats.rounds else None,
+        "our_tau_eval_acceptance": stats.summary()["tau"],  # tokens / verification forwards (eval.acceptance)
         "vllm_acceptance_per_pos": conditional_acceptance(accepted_per_pos, drafts),
-        "our_acceptance_per_pos": tally.summary()["acceptance"],
+        "our_acceptance_per_pos": stats.summary()["acceptance"],
         "vllm_drafts": drafts,
-        "our_rounds": tally.rounds,
+        "our_rounds": stats.rounds,
         "equal_to_our_greedy": sum(a == b for a, b in zip(vllm["plain"], ours)),
         "first_divergence_from_ours": [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
                                        for a, b in zip(vllm["plain"], ours)],

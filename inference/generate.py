@@ -17,35 +17,15 @@ which is what `DraftContext` promises.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor
 from transformers import DynamicCache
 
 from inference.sampling import SamplingConfig
 from inference.sources.base import Draft, DraftContext, DraftSource
-from inference.verify import position_outcomes, verify_chain
+from inference.stats import DecodeStats, Generation
+from inference.verify import verify_chain
 from models.errors import DraftheadsError
-
-
-@dataclass
-class SpecResult:
-    tokens: list[int]  # new tokens, prompt excluded; stops after max_new or the first EOS (kept)
-    n_verify: int  # target verification forwards (the prefill is not one)
-    k: int  # requested draft length
-    accept_lengths: list[int] = field(default_factory=list)  # drafts accepted per round
-    draft_lengths: list[int] = field(default_factory=list)  # drafts proposed per round
-    tested: Tensor = None  # [k] rounds where position j was verified (all earlier positions accepted)
-    accepted: Tensor = None  # [k] rounds where position j was accepted
-    draft_time: float = 0.0  # seconds in source.propose
-    verify_time: float = 0.0  # seconds in target forwards + verification + cache rollback
-    prefill_time: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        """Tokens emitted per verification forward (bonus included)."""
-        return len(self.tokens) / max(self.n_verify, 1)
 
 
 def eos_token_ids(target) -> list[int]:
@@ -108,15 +88,14 @@ def speculative_generate(
     sampling: SamplingConfig,
     seed: int = 0,
     eos_ids=None,
-) -> SpecResult:
-    """Chain speculative decoding; greedy output equals `generate_plain` token for token."""
+) -> Generation:
+    """Chain speculative decoding of one request; greedy output equals `generate_plain` token for token."""
     prompt = _as_prompt(prompt_ids)
     device = target.device
     eos = set(eos_token_ids(target) if eos_ids is None else eos_ids)
     generator = torch.Generator(device=device).manual_seed(seed)
     source.reset()
-    res = SpecResult(tokens=[], n_verify=0, k=k, tested=torch.zeros(k, dtype=torch.long),
-                     accepted=torch.zeros(k, dtype=torch.long))
+    tokens, stats = [], DecodeStats(k=k, requests=1)
 
     seq = torch.empty(prompt.numel() + max_new + 1, dtype=torch.long)  # committed tokens, grows in place
     seq[: prompt.numel()] = prompt
@@ -129,19 +108,19 @@ def speculative_generate(
         final = torch.empty(seq.numel(), target.hidden_size, device=device, dtype=target.dtype)
 
     cache = DynamicCache(config=target.model.config)  # per-layer types (sliding window) from the config
-    t0 = time.perf_counter()
+    t_start = time.perf_counter()
     if length > 1:
         out = target(prompt[None, :-1].to(device), past_key_values=cache, use_cache=True, compute_logits=False)
         if features:
             aux[: length - 1] = out.aux_hidden[0]
             final[: length - 1] = out.final_hidden[0]
     _sync(device)
-    res.prefill_time = time.perf_counter() - t0
+    stats.prefill_s = time.perf_counter() - t_start
 
-    while len(res.tokens) < max_new:
+    while len(tokens) < max_new and not (tokens and tokens[-1] in eos):
         # -- draft (never more than the round could emit) --
         t0 = time.perf_counter()
-        k_round = min(k, max_new - len(res.tokens) - 1)
+        k_round = min(k, max_new - len(tokens) - 1)
         draft = Draft(tokens=torch.empty(0, dtype=torch.long))
         if k_round > 0:
             ctx = DraftContext(seq[:length], aux[: length - 1] if features else None,
@@ -162,24 +141,19 @@ def speculative_generate(
             aux[length - 1 : length + n] = out.aux_hidden[0, : n + 1]
             final[length - 1 : length + n] = out.final_hidden[0, : n + 1]
         _sync(device)
-        res.verify_time += time.perf_counter() - t1
-        res.draft_time += t1 - t0
-
-        # -- bookkeeping --
-        res.n_verify += 1
-        res.accept_lengths.append(n)
-        res.draft_lengths.append(draft.size)
-        if draft.size:
-            tested, accepted = position_outcomes(n, draft.size)
-            res.tested[: draft.size] += tested
-            res.accepted[: draft.size] += accepted
+        stats.verify_s += time.perf_counter() - t1
+        stats.draft_s += t1 - t0
+        stats.forwards += 1
+        stats.record_round(draft.size, n, draft.size)
         for token in draft.tokens[:n].tolist() + [next_token]:
             seq[length] = token
             length += 1
-            res.tokens.append(token)
-            if token in eos or len(res.tokens) >= max_new:
-                return res
-    return res
+            tokens.append(token)
+            if token in eos or len(tokens) >= max_new:
+                break
+    stats.emitted = len(tokens)
+    stats.total_s = time.perf_counter() - t_start
+    return Generation([tokens], stats)
 
 
 def truncate_draft(draft: Draft, k: int) -> Draft:

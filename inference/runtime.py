@@ -16,9 +16,6 @@ tau = emitted tokens / verification forwards per request (bonus included, prefil
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor
 
@@ -27,47 +24,13 @@ from inference.kernels import accept_greedy_batched
 from inference.llama import LlamaForward
 from inference.sampling import SamplingConfig
 from inference.schedulers import FixedK, VerifyCost, plan_groups
+from inference.stats import DecodeStats, Generation
 from inference.sources.base import Draft, DraftContext, DraftSource
 from inference.tree import accept_tree, check_parents, draft_parents, tree_depths, tree_mask
 from models.errors import DraftheadsError
 from models.target import TargetOutput
 
 EMPTY = torch.empty(0, dtype=torch.long)
-
-
-@dataclass
-class RuntimeStats:
-    rounds: int = 0  # verification rounds summed over requests (= tau's denominator)
-    forwards: int = 0  # target forwards (one per draft-length group per round)
-    emitted: int = 0
-    proposed: int = 0
-    accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per round -> count
-    tested: Counter = field(default_factory=Counter)  # depth j -> rounds where depth j was verified
-    accepted: Counter = field(default_factory=Counter)  # depth j -> rounds where depth j was accepted
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    total_s: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        return self.emitted / max(self.rounds, 1)
-
-    def summary(self) -> dict:
-        depths = sorted(self.tested)
-        return {
-            "tau": round(self.tau, 4), "rounds": self.rounds, "forwards": self.forwards, "emitted": self.emitted,
-            "proposed": self.proposed, "accept_hist": {int(a): c for a, c in sorted(self.accept_hist.items())},
-            "per_position_accept": [round(self.accepted[j] / max(self.tested[j], 1), 4) for j in depths],
-            "prefill_s": round(self.prefill_s, 4), "draft_s": round(self.draft_s, 4),
-            "verify_s": round(self.verify_s, 4), "total_s": round(self.total_s, 4),
-        }
-
-
-@dataclass
-class Generation:
-    tokens: list[list[int]]  # new tokens per request (prompt excluded), cut at max_new or after the first EOS
-    stats: RuntimeStats
 
 
 class Runtime:
@@ -147,7 +110,7 @@ class Runtime:
         aux, final = self._features() if feats else (None, None)
         schedules = [(schedule or (lambda: FixedK(k)))() for _ in range(B)]
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        stats = RuntimeStats()
+        stats = DecodeStats(k=k, requests=B)
         t_start = time.perf_counter()
 
         # -- prefill prompt[:-1] (right-padded); the last prompt token is each request's first anchor --
@@ -203,13 +166,8 @@ class Runtime:
                 for b, (path, nxt) in zip(members, results):
                     draft = drafts[b]
                     emitted = [int(draft.tokens[i]) for i in path] + [nxt]
-                    stats.rounds += 1
-                    stats.proposed += draft.size
-                    stats.accept_hist[len(path)] += 1
-                    max_depth = int(tree_depths(draft_parents(draft)).max()) if draft.size else 0
-                    for j in range(min(len(path) + 1, max_depth)):
-                        stats.tested[j] += 1
-                        stats.accepted[j] += j < len(path)
+                    depth = int(tree_depths(draft_parents(draft)).max()) if draft.size else 0
+                    stats.record_round(draft.size, len(path), depth)
                     schedules[b].update(draft.size, len(path))
                     if prefix is not None and draft.parents is None:
                         prefix.update(draft.size, len(path), key=b)

@@ -89,7 +89,7 @@ def verify_chain(
     """Verify a chain draft -> (n_accepted in 0..k, next_token). The round emits d1..dn then next_token.
 
     Per-position outcome: positions 0..min(n, k-1) were tested (a position is tested only when all
-    earlier ones were accepted) and positions 0..n-1 accepted; see `position_outcomes`.
+    earlier ones were accepted) and positions 0..n-1 accepted (inference.stats.DecodeStats.record_round).
     """
     k = draft.size
     if draft.parents is not None:
@@ -102,9 +102,3 @@ def verify_chain(
     p = sampling.probs(target_logits)  # [k+1, V]
     q = draft.probs.to(p) if draft.probs is not None else point_mass(tokens, p.shape[-1]).to(p)  # [k, V]
     return accept_rejection(tokens, p, q, generator)
-
-
-def position_outcomes(n_accepted: int, k: int) -> tuple[Tensor, Tensor]:
-    """(tested [k] bool, accepted [k] bool) for one verified chain of k drafts with n accepted."""
-    pos = torch.arange(k)
-    return pos <= n_accepted, pos < n_accepted

@@ -30,15 +30,15 @@ def cli(prompt_file, out, *extra):
 
 def test_cli_writes_json_and_markdown(prompt_file, tmp_path, capsys, monkeypatch):
     seen_prompts = []
-    real = acceptance.runtime_generate
+    real = acceptance.generate_turn
 
-    def recording(runtime, source, ids, *args, **kw):
-        seen_prompts.append(runtime.target.tokenizer.decode(ids))
-        res = real(runtime, source, ids, *args, **kw)
-        seen_prompts.append(runtime.target.tokenizer.decode(res.tokens, skip_special_tokens=True))
+    def recording(runtime, target, source, ids, *args, **kw):
+        seen_prompts.append(target.tokenizer.decode(ids))
+        res = real(runtime, target, source, ids, *args, **kw)
+        seen_prompts.append(target.tokenizer.decode(res.tokens[0], skip_special_tokens=True))
         return res
 
-    monkeypatch.setattr(acceptance, "runtime_generate", recording)
+    monkeypatch.setattr(acceptance, "generate_turn", recording)
     out = tmp_path / "res" / "acc.json"
     assert cli(prompt_file, out) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -47,8 +47,8 @@ def test_cli_writes_json_and_markdown(prompt_file, tmp_path, capsys, monkeypatch
     results = json.loads(out.read_text())
     overall = results["overall"]
     assert set(results["categories"]) == {"writing", "qa"}
-    assert results["categories"]["writing"]["turns"] == 3 and overall["prompts"] == 3 and overall["turns"] == 4
-    assert overall["tokens"] <= 4 * 12 and overall["tau"] == pytest.approx(overall["tokens"] / overall["rounds"])
+    assert results["categories"]["writing"]["requests"] == 3 and overall["prompts"] == 3 and overall["requests"] == 4
+    assert overall["tokens"] <= 4 * 12 and overall["tau"] == pytest.approx(overall["tokens"] / overall["rounds"], abs=1e-4)
     assert last["tau"] == pytest.approx(overall["tau"], abs=1e-4) and 1.0 <= overall["tau"] <= 4.0
     assert len(overall["acceptance"]) == 3 and 0 < overall["mean_draft_len"] <= 3
     assert results["target"]["name"] == "tiny-random-llama"

@@ -131,7 +131,7 @@ def test_greedy_speculative_equals_plain_and_head_source_dispatch(target5, tmp_p
         save_draft(make_head(target5, seq), tmp_path / seq, target5)
         src = build_source(f"head:{tmp_path / seq}", target5)
         assert isinstance(src, DSparkSource)
-        assert speculative_generate(target5, src, prompt, 12, K, SamplingConfig(), eos_ids=[]).tokens == plain
+        assert speculative_generate(target5, src, prompt, 12, K, SamplingConfig(), eos_ids=[]).tokens == [plain]
 
 
 def test_runtime_confidence_prefix_cuts_dspark_drafts_losslessly(target5):

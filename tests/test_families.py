@@ -34,4 +34,4 @@ def test_a_new_family_trains_saves_loads_and_drafts_losslessly(tiny_target, tmp_
     prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(0))
     plain = generate_plain(tiny_target, prompt, 20, SamplingConfig(), eos_ids=[])
     spec = speculative_generate(tiny_target, source, prompt, 20, 3, SamplingConfig(), eos_ids=[])
-    assert spec.tokens == plain and spec.n_verify <= 20
+    assert spec.tokens == [plain] and spec.stats.rounds <= 20

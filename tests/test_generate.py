@@ -54,41 +54,46 @@ class Oracle:
         return Draft(tokens)
 
 
+def per_depth(stats, k):
+    return [stats.tested[j] for j in range(k)], [stats.accepted[j] for j in range(k)]
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_equality_prompt_lookup(tiny_target, varied_target, k):
     for target in (tiny_target, varied_target):
         for prompt in prompts():
             plain = generate_plain(target, prompt, 40, GREEDY, eos_ids=[])
             spec = speculative_generate(target, PromptLookup(), prompt, 40, k, GREEDY, eos_ids=[])
-            assert spec.tokens == plain
-            assert spec.n_verify == len(spec.accept_lengths) and spec.tau == 40 / spec.n_verify
+            assert spec.tokens == [plain]
+            stats = spec.stats
+            assert stats.rounds == sum(stats.accept_hist.values()) == stats.forwards and stats.tau == 40 / stats.rounds
 
 
 def test_prompt_lookup_accepts_on_repetitive_target(tiny_target):
     # the tied tiny model repeats its input: lookup drafts are mostly right, the varied one mostly wrong
     spec = speculative_generate(tiny_target, PromptLookup(), prompts()[0], 40, 4, GREEDY, eos_ids=[])
-    assert spec.tau > 3.0
+    assert spec.stats.tau > 3.0
 
 
 def test_oracle_always_right_tau_is_k_plus_1(varied_target):
     prompt, k = prompts(1)[0], 4
     plain = generate_plain(varied_target, prompt, 30, GREEDY, eos_ids=[])
     spec = speculative_generate(varied_target, Oracle(20, plain), prompt, 30, k, GREEDY, eos_ids=[])
-    assert spec.tokens == plain
-    assert spec.n_verify == 6 and spec.tau == k + 1
-    assert spec.accept_lengths == [4] * 6
-    assert spec.tested.tolist() == [6] * 4 and spec.accepted.tolist() == [6] * 4
+    assert spec.tokens == [plain]
+    assert spec.stats.rounds == 6 and spec.stats.tau == k + 1
+    assert spec.stats.accept_hist == {4: 6}
+    assert per_depth(spec.stats, k) == ([6] * 4, [6] * 4)
 
 
 def test_oracle_never_right_tau_is_1(varied_target):
     prompt = prompts(1)[0]
     plain = generate_plain(varied_target, prompt, 12, GREEDY, eos_ids=[])
     spec = speculative_generate(varied_target, Oracle(20, plain, right=0), prompt, 12, 3, GREEDY, eos_ids=[])
-    assert spec.tokens == plain
-    assert spec.tau == 1.0 and spec.n_verify == 12
-    # a round never drafts more than it could emit: k_round = min(k, tokens left - 1)
-    assert spec.draft_lengths == [3] * 9 + [2, 1, 0]
-    assert spec.tested.tolist() == [11, 0, 0] and spec.accepted.tolist() == [0, 0, 0]
+    assert spec.tokens == [plain]
+    assert spec.stats.tau == 1.0 and spec.stats.rounds == 12
+    # a round never drafts more than it could emit: k_round = min(k, tokens left - 1) -> 3 * 9 + 2 + 1 + 0
+    assert spec.stats.proposed == 30 and spec.stats.accept_hist == {0: 12}
+    assert per_depth(spec.stats, 3) == ([11, 0, 0], [0, 0, 0])
 
 
 def test_oracle_sometimes_right_known_counts(varied_target):
@@ -96,9 +101,9 @@ def test_oracle_sometimes_right_known_counts(varied_target):
     prompt = prompts(1)[0]
     plain = generate_plain(varied_target, prompt, 15, GREEDY, eos_ids=[])
     spec = speculative_generate(varied_target, Oracle(20, plain, right=2), prompt, 15, 4, GREEDY, eos_ids=[])
-    assert spec.tokens == plain
-    assert spec.tau == 3.0 and spec.accept_lengths == [2] * 5 and spec.draft_lengths == [4, 4, 4, 4, 2]
-    assert spec.tested.tolist() == [5, 5, 4, 0] and spec.accepted.tolist() == [5, 5, 0, 0]
+    assert spec.tokens == [plain]
+    assert spec.stats.tau == 3.0 and spec.stats.accept_hist == {2: 5} and spec.stats.proposed == 4 * 4 + 2
+    assert per_depth(spec.stats, 4) == ([5, 5, 4, 0], [5, 5, 0, 0])
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
@@ -111,9 +116,9 @@ def test_eos_truncates_like_plain(varied_target, k):
     assert plain == free[: stop + 1]  # plain decoding keeps the EOS and stops there
     # the oracle makes EOS land inside accepted blocks (or as the bonus, depending on k)
     spec = speculative_generate(varied_target, Oracle(20, free), prompt, 40, k, GREEDY, eos_ids=[eos])
-    assert spec.tokens == plain
+    assert spec.tokens == [plain]
     spec = speculative_generate(varied_target, PromptLookup(), prompt, 40, k, GREEDY, eos_ids=[eos])
-    assert spec.tokens == plain
+    assert spec.tokens == [plain]
 
 
 def test_default_eos_is_the_tokenizers(tiny_target):
@@ -148,7 +153,7 @@ def test_sources_get_target_features_of_committed_tokens(tiny_target):
         full = tiny_target(tokens[None, :-1])
         torch.testing.assert_close(aux, full.aux_hidden[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(final, full.final_hidden[0], atol=1e-4, rtol=1e-4)
-    assert recorder.seen[-1][0].numel() < 20 + len(spec.tokens)
+    assert recorder.seen[-1][0].numel() < 20 + len(spec.tokens[0])
 
 
 def test_sampling_is_seeded_and_runs_with_draft_probs(varied_target):
@@ -168,15 +173,15 @@ def test_sampling_is_seeded_and_runs_with_draft_probs(varied_target):
     a = speculative_generate(varied_target, Sampler(), prompt, 30, 3, sampling, seed=5, eos_ids=[])
     b = speculative_generate(varied_target, Sampler(), prompt, 30, 3, sampling, seed=5, eos_ids=[])
     c = speculative_generate(varied_target, Sampler(), prompt, 30, 3, sampling, seed=6, eos_ids=[])
-    assert a.tokens == b.tokens and a.tokens != c.tokens and len(a.tokens) == 30
+    assert a.tokens == b.tokens and a.tokens != c.tokens and len(a.tokens[0]) == 30
 
 
 def test_edge_cases(tiny_target):
     one = torch.tensor([65])
     assert speculative_generate(tiny_target, PromptLookup(), one, 5, 4, GREEDY, eos_ids=[]).tokens == \
-        generate_plain(tiny_target, one, 5, GREEDY, eos_ids=[])
+        [generate_plain(tiny_target, one, 5, GREEDY, eos_ids=[])]
     spec = speculative_generate(tiny_target, PromptLookup(), prompts(1)[0], 1, 8, GREEDY, eos_ids=[])
-    assert len(spec.tokens) == 1 and spec.draft_lengths == [0]
+    assert len(spec.tokens[0]) == 1 and spec.stats.proposed == 0 and spec.stats.rounds == 1
 
 
 def test_tree_drafts_are_refused_with_a_clear_error(tiny_target):
@@ -205,4 +210,4 @@ def test_greedy_equality_smollm2_prompt_lookup(smollm2):
         ids = prompt_ids(smollm2.tokenizer, [{"role": "user", "content": q}])
         plain = generate_plain(smollm2, ids, 32, GREEDY)
         spec = speculative_generate(smollm2, PromptLookup(), ids, 32, 4, GREEDY)
-        assert spec.tokens == plain
+        assert spec.tokens == [plain]

@@ -101,9 +101,9 @@ def test_head_source_is_lossless_in_the_reference_loop(tiny_target, tmp_path):
         save_draft(peagle_for_target(tiny_target, k=3, parallel=parallel), tmp_path / str(parallel), tiny_target)
         src = head_source(str(tmp_path / str(parallel)), tiny_target)
         res = speculative_generate(tiny_target, src, prompt, 12, 3, SamplingConfig(), eos_ids=[])
-        assert res.tokens == plain
+        assert res.tokens == [plain]
         sampled = speculative_generate(tiny_target, src, prompt, 12, 3, SamplingConfig(temperature=0.9), eos_ids=[])
-        assert len(sampled.tokens) == 12
+        assert len(sampled.tokens[0]) == 12
 
 
 def test_trainer_labels_are_aligned_with_an_oracle_target():

@@ -187,8 +187,8 @@ def test_a_peer_head_drafts_losslessly_through_the_head_source(tiny_target, tmp_
     source = build_source(spec, tiny_target)
     prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(5))
     result = speculative_generate(tiny_target, source, prompt, 20, 4, SamplingConfig(), eos_ids=[])
-    assert result.tokens == generate_plain(tiny_target, prompt, 20, SamplingConfig(), eos_ids=[])
-    assert result.n_verify <= 20 and len(result.tokens) == 20
+    assert result.tokens == [generate_plain(tiny_target, prompt, 20, SamplingConfig(), eos_ids=[])]
+    assert result.stats.rounds <= 20 and result.stats.emitted == 20
 
 
 def test_fine_tuning_a_peer_head_trains_its_own_embedding_and_lm_head(tiny_target, tmp_path):

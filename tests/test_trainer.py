@@ -201,7 +201,7 @@ def test_trained_head_raises_tau(peaked_target, tmp_path):
         src = head_source(str(d), peaked_target)
         res = [speculative_generate(peaked_target, src, f["input_ids"][:10], 24, 3, SamplingConfig(), eos_ids=[])
                for f in feats[:4]]
-        taus[name] = sum(len(r.tokens) for r in res) / sum(r.n_verify for r in res)
+        taus[name] = sum(r.stats.emitted for r in res) / sum(r.stats.rounds for r in res)
     print("tau", taus)
     assert taus["trained"] > 3.0 > 1.2 > taus["untrained"], taus  # K=3: tau <= 4
 

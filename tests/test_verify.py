@@ -5,7 +5,8 @@ import torch
 
 from inference.sampling import SamplingConfig
 from inference.sources.base import Draft
-from inference.verify import accept_greedy, acceptance_rates, position_outcomes, verify_chain
+from inference.stats import DecodeStats
+from inference.verify import accept_greedy, acceptance_rates, verify_chain
 
 V = 8
 P1 = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05, 0.02])  # target at draft position 1
@@ -107,9 +108,12 @@ def test_rejection_respects_top_k():
     assert chi_square_pvalue(counts[0][p > 0], p[p > 0]) > 1e-3
 
 
-def test_position_outcomes():
-    tested, accepted = position_outcomes(2, 4)
-    assert tested.tolist() == [True, True, True, False]
-    assert accepted.tolist() == [True, True, False, False]
-    tested, accepted = position_outcomes(4, 4)
-    assert tested.all() and accepted.all()
+def test_round_outcomes_per_depth():
+    stats = DecodeStats(k=4)
+    stats.record_round(4, 2, 4)  # a chain of 4, 2 accepted: depths 0..2 verified, 0..1 accepted
+    assert [stats.tested[j] for j in range(4)] == [1, 1, 1, 0] and [stats.accepted[j] for j in range(4)] == [1, 1, 0, 0]
+    stats.record_round(4, 4, 4)
+    assert [stats.tested[j] for j in range(4)] == [2, 2, 2, 1] and [stats.accepted[j] for j in range(4)] == [2, 2, 1, 1]
+    stats.emitted = 3 + 5
+    total = stats + stats
+    assert total.summary()["acceptance"] == [1.0, 1.0, 0.5, 1.0] and total.tau == 4.0 and total.accept_hist == {2: 2, 4: 2}
