@@ -270,11 +270,9 @@ def check_config(cfg) -> None:
         ok, why = rule(node)
         if not ok:
             raise DraftheadsError(f"{name}={node} {why}; fix it on the command line or in the experiment file")
-    options = _families()[cfg.draft.family].options
-    unknown = sorted(set(cfg.draft.extra) - set(options))
-    if unknown:
-        raise DraftheadsError(f"draft.extra.{unknown[0]} is not an option of draft.family={cfg.draft.family}; it "
-                              f"takes {list(options) or 'none'}")
+    from models.families import family_options
+
+    family_options(cfg.draft.family, cfg.draft.extra)
 
 
 def check_args(args, rules: dict[str, Callable]) -> None:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from models.errors import DraftheadsError
-from models.families import FAMILIES, family
+from models.families import FAMILIES, family, family_options
 
 FORMAT = "draftheads-draft"
 FORMAT_VERSION = 1
@@ -178,11 +179,6 @@ def head_from_state(family_name: str, sizes: dict, state: dict, target, what: st
 def build_draft(family_name: str, target, k: int, num_layers: int = 1, parallel: bool = True, draft_vocab=None,
                 share_lm_head: bool = True, extra: dict | None = None):
     """A fresh head of `family_name` sized for `target` (flat parameters; the trainer maps cfg.draft onto these).
-    `extra` (draft.extra) holds family options (models.families): a key the family does not take is an error."""
-    entry = family(family_name)
-    extra = dict(extra or {})
-    unknown = sorted(set(extra) - set(entry.options))
-    if unknown:
-        raise DraftheadsError(f"draft.extra has {unknown}, unknown to draft.family={family_name}; it takes "
-                              f"{list(entry.options) or 'no options'}")
-    return entry.build(target, k, num_layers, draft_vocab, parallel, share_lm_head, **extra)
+    `extra` (draft.extra) is parsed into the family's typed options (models.families.family_options)."""
+    options = asdict(family_options(family_name, extra))
+    return family(family_name).build(target, k, num_layers, draft_vocab, parallel, share_lm_head, **options)

@@ -1,8 +1,9 @@
 """The draft head families: one registry entry each, with what the rest of the toolkit may assume of them.
 
 A family is a head class (a models.layers.TrainableHead, the interface below) plus a `Family` entry: how to build a
-fresh head for a target, the draft.extra options it takes, and the capabilities the trainer, the draft sources, the
-plan and the exporters read instead of testing family names. Adding a family = one module with its head class and
+fresh head for a target, the typed options it takes (a frozen dataclass: `draft.extra` is parsed into it, so a typo,
+a wrong type or a value outside its choices fails at compose time), and the capabilities the trainer, the draft
+sources, the plan and the exporters read instead of testing family names. Adding a family = one module with its head class and
 one `register(Family(...))` line (tests/test_families.py adds a toy one that trains, saves, loads and drafts).
 
 What callers use of a head (the DraftHead interface):
@@ -15,10 +16,30 @@ What callers use of a head (the DraftHead interface):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, fields
+from typing import Callable, Literal, Mapping, get_args, get_origin, get_type_hints
 
 from models.errors import DraftheadsError
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    pass
+
+
+@dataclass(frozen=True)
+class PEagleOptions:
+    norm_before_residual: bool = False  # RMSNorm the fused input before the first residual (speculators' flag)
+
+
+@dataclass(frozen=True)
+class DSparkOptions:
+    sequential: Literal["markov", "rnn"] = "markov"  # the sequential bias over the block (rnn: GRU-cell state)
+    rank: int = 256  # r of its low-rank transition W1 [V_draft, r], W2 [r, V_draft]
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise DraftheadsError(f"draft.extra.rank={self.rank} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -26,12 +47,36 @@ class Family:
     name: str
     head: type  # the head class: head(**sizes recorded in config.json)
     build: Callable  # (target, k, num_layers, draft_vocab, parallel, share_lm_head, **options) -> a fresh head
-    options: tuple[str, ...] = ()  # the draft.extra keys it takes
+    options: type = NoOptions  # a frozen dataclass: the draft.extra keys it takes, typed, with defaults
     blocks: bool = False  # trains on whole blocks at random anchors (DSpark, DFlash) instead of COD-sampled depths
     tree: bool = False  # drafts its positions independently: one forward ranks a token tree
     hidden_state: bool = False  # its rows are its own LM-head input: hidden-state regression applies
     confidences: bool = False  # head.draft(...) also returns per-token survival confidences
     exports: tuple[str, ...] = ()  # the serving layouts models.export writes for it
+
+
+def family_options(name: str, extra: Mapping | None):
+    """draft.extra -> the family's options dataclass; an unknown key, a wrong type or a value outside a Literal's
+    choices is a DraftheadsError naming it and what the family takes."""
+    kind = family(name).options
+    hints = get_type_hints(kind)
+    takes = ", ".join(f"{f.name}: {_type_name(hints[f.name])} = {f.default!r}" for f in fields(kind)) or "none"
+    values = dict(extra or {})
+    for key, value in values.items():
+        if key not in hints:
+            raise DraftheadsError(f"draft.extra.{key} is not an option of draft.family={name}; it takes {takes}")
+        expected = hints[key]
+        choices = get_args(expected) if get_origin(expected) is Literal else None
+        ok = value in choices if choices else isinstance(value, expected) and not (
+            expected is int and isinstance(value, bool))
+        if not ok:
+            raise DraftheadsError(f"draft.extra.{key}={value!r} is not a {_type_name(expected)}; draft.family={name} "
+                                  f"takes {takes}")
+    return kind(**values)
+
+
+def _type_name(kind) -> str:
+    return " | ".join(map(repr, get_args(kind))) if get_origin(kind) is Literal else kind.__name__
 
 
 FAMILIES: dict[str, Family] = {}
@@ -57,15 +102,10 @@ def _peagle(parallel_family: bool):
     return build
 
 
-def _dspark(sequential_default: str):
-    def build(target, k, num_layers, draft_vocab, parallel, share_lm_head, sequential=sequential_default, rank=256):
-        from models.dspark import dspark_for_target
+def _dspark(target, k, num_layers, draft_vocab, parallel, share_lm_head, sequential="none", rank=0):
+    from models.dspark import dspark_for_target
 
-        if (sequential == "none") != (sequential_default == "none"):
-            raise DraftheadsError("draft.family=dspark needs draft.extra.sequential markov or rnn; for the backbone "
-                                  "alone use draft.family=dflash")
-        return dspark_for_target(target, k, num_layers, draft_vocab, sequential=sequential, rank=rank)
-    return build
+    return dspark_for_target(target, k, num_layers, draft_vocab, sequential=sequential, rank=rank)
 
 
 def _medusa(target, k, num_layers, draft_vocab, parallel, share_lm_head):
@@ -79,14 +119,13 @@ def _builtin() -> None:
     from models.medusa import MedusaHeads
     from models.peagle import PEagleDrafter
 
-    register(Family("peagle", PEagleDrafter, _peagle(True), ("norm_before_residual",), tree=True, hidden_state=True,
+    register(Family("peagle", PEagleDrafter, _peagle(True), PEagleOptions, tree=True, hidden_state=True,
                     exports=("speculators",)))
-    register(Family("eagle3", PEagleDrafter, _peagle(False), ("norm_before_residual",), hidden_state=True,
+    register(Family("eagle3", PEagleDrafter, _peagle(False), PEagleOptions, hidden_state=True,
                     exports=("speculators", "sglang")))
     register(Family("medusa", MedusaHeads, _medusa, tree=True))
-    register(Family("dspark", DSparkDrafter, _dspark("markov"), ("sequential", "rank"), blocks=True,
-                    confidences=True))
-    register(Family("dflash", DSparkDrafter, _dspark("none"), ("rank",), blocks=True, confidences=True))
+    register(Family("dspark", DSparkDrafter, _dspark, DSparkOptions, blocks=True, confidences=True))
+    register(Family("dflash", DSparkDrafter, _dspark, blocks=True, confidences=True))  # DSpark's backbone alone
 
 
 _builtin()

@@ -224,7 +224,7 @@ def test_bad_extra_is_a_clear_error(target5):
 
     with pytest.raises(DraftheadsError, match="sequential"):
         build_draft("dspark", target5, K, extra={"sequential": "lstm"})
-    with pytest.raises(DraftheadsError, match="unknown to draft.family=dspark"):
+    with pytest.raises(DraftheadsError, match="draft.extra.rnak is not an option of draft.family=dspark"):
         build_draft("dspark", target5, K, extra={"rnak": 8})
 
 
