@@ -75,9 +75,6 @@ class VerifyCost:
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
         return ys[-1] + slope * (n - xs[-1])
 
-    def steps_per_second(self, n: int) -> float:
-        return 1.0 / self(n)
-
 
 class ConfidencePrefix:
     """DSpark's confidence prefix scheduler. Token j survives with s_j = prod_{i<=j} confidences_i, so a

@@ -72,12 +72,10 @@ def accept_rejection(
 
 
 def acceptance_rates(p: Tensor, q: Tensor) -> Tensor:
-    """alpha [k] = sum_v min(p_j, q_j): P(position j accepted | j-1 accepted) under the rejection rule.
-
-    p [k(+1), V] (extra bonus rows ignored), q [k, V]. The expected accepted length of a chain is
-    sum_j prod_{i<=j} alpha_i. Useful as a low-variance training signal and as a per-position check.
-    """
-    return torch.minimum(p[: q.shape[0]], q).sum(-1)
+    """alpha [...] = sum_v min(p, q): P(a token drawn from q is accepted | the earlier ones were) under the rejection
+    rule, for target and draft distributions p, q [..., V] of the same shape. The expected accepted length of a chain
+    is sum_j prod_{i<=j} alpha_i: the RL stage's pathwise objective, the calibration's label, 1 - the TV loss."""
+    return torch.minimum(p, q).sum(-1)
 
 
 def verify_chain(

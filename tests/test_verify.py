@@ -86,7 +86,7 @@ def test_rejection_sampling_emits_target_distribution():
     # the test has power: the draft distribution itself is rejected by a mile
     assert chi_square_pvalue(counts[0], Q1) < 1e-12
     # acceptance at position 1 happens with probability alpha_1 = sum min(p1, q1)
-    alpha = acceptance_rates(torch.stack([P1, P2, P2]), torch.stack([Q1, Q2]))
+    alpha = acceptance_rates(torch.stack([P1, P2]), torch.stack([Q1, Q2]))
     assert alpha[0].item() == pytest.approx(0.57)
     assert (n_accepted[1:].sum() / 20_000).item() == pytest.approx(alpha[0].item(), abs=0.015)
 

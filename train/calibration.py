@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from inference.sampling import SamplingConfig
+from inference.verify import acceptance_rates
 from train.cod import anchor_plan
 from models.errors import DraftheadsError, exit_on_error
 
@@ -76,7 +77,7 @@ def confidence_data(head, target, features, temperature: float = 0.0, anchors: i
         rows = out.anchor + out.depth  # target row a+k scores draft token k
         p = sampling.probs(target.lm_head(batch["final_hidden"][out.batch_index, rows].to(target.dtype)))
         q = sampling.probs(head.full_vocab_logits(head.logits_for(out.hidden, out.depth).float()))
-        accs.append(torch.minimum(p, q).sum(-1).view(-1, K).cpu())
+        accs.append(acceptance_rates(p, q).view(-1, K).cpu())
         zs.append(head.confidence(out.hidden).squeeze(-1).float().view(-1, K).cpu())
     if not zs:
         raise DraftheadsError(f"no held-out sequence has a trained span of {K + 1}+ tokens to calibrate on; "

@@ -86,11 +86,6 @@ def cod_plan(loss_mask: Tensor, lengths: Tensor, k: int, decay: float, generator
                    torch.cat(cols_trained, 1), torch.cat(cols_pred, 1), blocks)
 
 
-def designed_count(n: int, k: int, decay: float) -> list[int]:
-    """Tokens per depth 1..K that cod_plan keeps for n anchors (when enough candidates exist)."""
-    return [n] + [round(n * decay ** (d - 1)) for d in range(2, k + 1)]
-
-
 def anchor_plan(loss_mask: Tensor, lengths: Tensor, k: int, anchors: int, generator: torch.Generator | None = None,
                 full_blocks: bool = False) -> CodPlan:
     """Up to `anchors` random anchors per sequence, whole blocks: columns (a, 1..k) per anchor, in that order.

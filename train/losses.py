@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inference.verify import acceptance_rates
 from models.errors import DraftheadsError
 
 LOSSES = ("fkl", "rkl", "tv", "lk")
@@ -31,7 +32,7 @@ def total_variation(target_logits: Tensor, draft_logits: Tensor, temperature: fl
     """TV(p, q) = 1 - sum_v min(p, q) [N] = the rejection probability of the lossless rule (1 - alpha)."""
     p = F.softmax(target_logits.float() / temperature, -1)
     q = F.softmax(draft_logits.float() / temperature, -1)
-    return 1.0 - torch.minimum(p, q).sum(-1)
+    return 1.0 - acceptance_rates(p, q)
 
 
 def distill_loss(kind: str, target_logits: Tensor, draft_logits: Tensor, temperature: float = 1.0,

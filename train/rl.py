@@ -33,7 +33,7 @@ from torch import Tensor
 
 from inference.llama import LlamaForward, compact_forward
 from inference.sampling import SamplingConfig
-from inference.verify import accepts
+from inference.verify import acceptance_rates, accepts
 from models.families import family
 from models.errors import DraftheadsError
 from models.peagle import DraftCache
@@ -183,7 +183,7 @@ def rollout(model, core, scorer: LlamaForward, items: list[dict], anchor_lists: 
     q = log_q.exp()
     q_alpha = q if serve_t > 0 else F.softmax(logits / tc.rl_surrogate_temperature, -1)
     yv = y[valid]  # [N, K]
-    alpha = torch.minimum(p, q_alpha).sum(-1)  # [N, K]
+    alpha = acceptance_rates(p, q_alpha)  # [N, K]
     q_tok = q.gather(-1, yv[..., None]).squeeze(-1)
     p_tok = p.gather(-1, yv[..., None]).squeeze(-1)
     reward = exact_accepted(p_tok.detach(), q_tok.detach(), g).float()  # [N]
