@@ -145,6 +145,8 @@ def speculative_generate(
         stats.draft_s += t1 - t0
         stats.forwards += 1
         stats.record_round(draft.size, n, draft.size)
+        if hasattr(source, "observe"):  # the feedback hook the runtime calls too (select:)
+            source.observe(draft, n + 1, time.perf_counter() - t1)
         for token in draft.tokens[:n].tolist() + [next_token]:
             seq[length] = token
             length += 1

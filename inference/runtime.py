@@ -172,7 +172,7 @@ class Runtime:
                     if prefix is not None and draft.parents is None:
                         prefix.update(draft.size, len(path), key=b)
                     observe = getattr(sources[b if per_request else 0], "observe", None) if sources else None
-                    if observe is not None and draft.size:
+                    if observe is not None:  # empty drafts too: a source that often has nothing pays for it
                         observe(draft, len(emitted), dt * (1 + draft.size) / width)
                     for tok in emitted:
                         self.tokens[b, n_tok[b]] = tok

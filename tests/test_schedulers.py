@@ -125,6 +125,27 @@ def test_schedulers_are_lossless_through_the_runtime(tiny_target):
     assert g.tokens == ref and select.selector.picks[1] > 2 * select.selector.picks[0]
 
 
+class EmptySource:
+    """Never has a draft: every round it is chosen emits one token."""
+
+    name, needs_features = "empty", False
+
+    def reset(self):
+        pass
+
+    def propose(self, ctx, k, sampling):
+        return Draft(torch.empty(0, dtype=torch.long))
+
+
+def test_selector_charges_rounds_without_a_draft(tiny_target):
+    prompts = make_prompts((5, 13), seed=3)
+    ref = reference(tiny_target, prompts, 40)
+    select = SelectSource([EmptySource(), OracleSource(prompts, ref)], "select:empty+oracle", warmup=2)
+    g = Runtime(tiny_target, max_len=128, batch_size=2).generate(prompts, 40, select, k=4, ignore_eos=True)
+    assert g.tokens == ref and select.selector.rounds[0] == 2  # tried, charged, then left alone
+    assert select.selector.picks[1] > 5 * select.selector.picks[0]
+
+
 def test_select_spec_builds_and_stays_lossless(tiny_target):
     from inference.sources import build_source
 
