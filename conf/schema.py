@@ -50,7 +50,7 @@ class DataConfig:
     regen_turns: int = 1  # assistant turns regenerated per conversation (later turns are dropped)
     regen_batch_size: int = 8
     regen_temperature: float = 0.0
-    regen_dtype: str = "bfloat16"  # the runtime decodes in this dtype (bf16: ~2x fp32 HF generate on CPU)
+    regen_dtype: str = "bfloat16"  # the runtime decodes in this dtype (bf16: the fast one on CPUs with AVX-512 BF16)
     regen_backend: str = "runtime"  # runtime (this project's) | openai (a vLLM / SGLang server at regen_server)
     regen_server: str = "http://127.0.0.1:8000/v1"
     features: str = "offline"  # offline: hidden states on disk | online: the target runs in the training step | none

@@ -23,12 +23,10 @@ from models.target import Target, TargetOutput
 def pack_for_cpu(weight: Tensor) -> Tensor:
     """The weight in oneDNN's blocked layout, packed once, or the weight itself where that does not apply.
 
-    On CPU this build's F.linear runs float32 GEMMs through MKL, which takes its AVX2 path on this AMD CPU and repacks
-    the weight on every call; oneDNN's inner product on a pre-packed weight uses AVX-512 and packs nothing.
-    All 211 SmolLM2 linears, 1 thread, ms per forward (`python -m eval.linear_bench`), F.linear -> packed:
-    1 row 30.3 -> 22.4, 2 rows 46.8 -> 32.0, 9 rows 62.1 -> 37.9, 256 rows 667 -> 303.
-    bfloat16 F.linear already goes through oneDNN (18.7 ms for 1..4 rows), so only float32 is packed.
-    Costs one extra copy of the weights in memory."""
+    On CPU, torch's float32 F.linear may run MKL's AVX2 path (it does on AMD CPUs), which repacks the weight on every
+    call; oneDNN's inner product on a pre-packed weight uses AVX-512 and packs nothing (`python -m eval.linear_bench`
+    measures both; the README has the figures). bfloat16 F.linear already goes through oneDNN, so only float32 is
+    packed. Costs one extra copy of the weights in memory."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return weight
     return weight.detach().to_mkldnn()
@@ -39,8 +37,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     On CPU a 1-row input takes a GEMV kernel whose sums round differently from the GEMM that 2+ rows take, while
     2+ rows give bitwise the same row whatever their number. In bfloat16 that difference flips greedy tokens, so a
-    1-row bfloat16 input goes through as 2 rows (same time: 18.3 vs 18.4 ms per SmolLM2 forward, 1 thread) and
-    decoding a token alone equals verifying it among drafts. float32 keeps GEMV (22 vs 32 ms; differences ~1e-6)."""
+    1-row bfloat16 input goes through as 2 rows (oneDNN's bf16 GEMM costs the same for 1 and 2 rows) and decoding a
+    token alone equals verifying it among drafts. float32 keeps GEMV (much cheaper than 2 rows; differences ~1e-6)."""
     if x.device.type == "cpu" and x.dtype != torch.float32 and x.numel() == x.shape[-1]:
         return linear(torch.cat([x, x], dim=-2), weight, bias)[..., :1, :]
     if weight.is_mkldnn:
@@ -52,8 +50,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 # same output decoded alone, verified in a chain, or verified as a tree node whose ancestors sit at scattered cache
 # slots (the lossless check compares exactly that). SDPA flipped greedy tokens in bfloat16 for trees (3 of 16 MT-bench
 # outputs at 128 tokens): its softmax sums keys in vectorised lanes, so a key's slot changes the rounding. float32
-# GEMMs here round a row the same for any row count >= GEMM_MIN_ROWS (4 and up agree, 1-3 rows take another kernel:
-# measured on this CPU for 4..48 rows, 512 and 1024 keys), so decoding pads its query rows up to that.
+# GEMMs here round a row the same for any row count >= GEMM_MIN_ROWS (1-3 rows take another kernel; tests/test_runtime.py
+# checks the equality), so decoding pads its query rows up to that.
 # The key span is rounded up to SPAN_BLOCK (fewer distinct shapes; static ones for CUDA graphs).
 # Work that needs no equality (regenerating training data) passes row_invariant=False: no padding, real span, and
 # the softmax's own sum.
@@ -69,8 +67,8 @@ def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, exac
     and a GEMM accumulates each output element over the keys in order: a masked key adds an exact zero wherever
     it sits. So a query's output depends only on its visible keys in slot order, not on their slots or the span,
     once the GEMMs have enough rows (exact_rows: the queries padded to that many rows with copies of the last).
-    exact_rows=None: no padding, SDPA in the input dtype (2x faster at 512 keys, 16 rows), for work that needs no
-    equality (regeneration)."""
+    exact_rows=None: no padding, SDPA in the input dtype (about twice as fast), for work that needs no equality
+    (regeneration)."""
     B, nh, T, hd = q.shape
     kvh, S = keys.shape[1], keys.shape[2]
     rows = max(T, exact_rows or T)
@@ -114,7 +112,7 @@ class LlamaForward:
             raise DraftheadsError(f"the runtime's compact forward covers Llama-style models (silu MLP); target "
                                   f"'{target.name}' is '{cfg.model_type}' with {cfg.hidden_act}; "
                                   "use inference.generate for it")
-        # plain references to the target's parameters (packed on CPU); module calls cost ~10 us each on CPU
+        # plain references to the target's parameters (packed on CPU): no nn.Module call overhead per linear
         pack = pack_for_cpu if pack_weights else (lambda w: w)
 
         def wb(m):

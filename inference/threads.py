@@ -2,7 +2,7 @@
 
 threads=0 (auto) takes the CPUs this process may run on (its affinity mask) less those other processes keep busy (the
 runnable processes besides this one, sampled for 0.1 s): OpenMP threads that outnumber the free cores spin-wait on
-each other, and decoding collapses (two threads next to one busy process made a regeneration batch 10x slower here).
+each other, and decoding collapses (the README's loaded rows show by how much).
 """
 
 from __future__ import annotations
