@@ -97,17 +97,24 @@ def test_selector_prefers_more_tokens_per_second():
     assert sel.choose() == 1
 
 
-class WrongSource:
-    """Always wrong, always slow: the selector must learn to avoid it."""
+class FixedSource:
+    """Drafts `tokens(k)` every round after `delay` seconds: a source the selector must learn to avoid."""
 
-    name, needs_features = "wrong", False
+    needs_features = False
+
+    def __init__(self, name, tokens, delay=0.0):
+        self.name, self.tokens, self.delay = name, tokens, delay
 
     def reset(self):
         pass
 
     def propose(self, ctx, k, sampling):
-        time.sleep(0.005)  # a margin over timing noise on a loaded machine
-        return Draft(torch.full((k,), 2, dtype=torch.long))
+        time.sleep(self.delay)
+        return Draft(self.tokens(k))
+
+
+def wrong_source():  # always wrong, always slow (a margin over timing noise on a loaded machine)
+    return FixedSource("wrong", lambda k: torch.full((k,), 2, dtype=torch.long), delay=0.005)
 
 
 def test_schedulers_are_lossless_through_the_runtime(tiny_target):
@@ -120,27 +127,15 @@ def test_schedulers_are_lossless_through_the_runtime(tiny_target):
     prefix = ConfidencePrefix(VerifyCost([1, 2, 8], [1.0, 1.05, 1.4]))
     g = rt.generate(prompts, 40, source=oracle, k=6, prefix=prefix, ignore_eos=True)
     assert g.tokens == ref and min(prefix.kept) < max(prefix.kept)  # it did cut some drafts
-    select = SelectSource([WrongSource(), oracle], "select:wrong+oracle", warmup=2)
+    select = SelectSource([wrong_source(), oracle], "select:wrong+oracle", warmup=2)
     g = rt.generate(prompts, 40, select, k=4, ignore_eos=True)
     assert g.tokens == ref and select.selector.picks[1] > 2 * select.selector.picks[0]
-
-
-class EmptySource:
-    """Never has a draft: every round it is chosen emits one token."""
-
-    name, needs_features = "empty", False
-
-    def reset(self):
-        pass
-
-    def propose(self, ctx, k, sampling):
-        return Draft(torch.empty(0, dtype=torch.long))
 
 
 def test_selector_charges_rounds_without_a_draft(tiny_target):
     prompts = make_prompts((5, 13), seed=3)
     ref = reference(tiny_target, prompts, 40)
-    select = SelectSource([EmptySource(), OracleSource(prompts, ref)], "select:empty+oracle", warmup=2)
+    select = SelectSource([FixedSource("empty", lambda k: torch.empty(0, dtype=torch.long)), OracleSource(prompts, ref)], "select:empty+oracle", warmup=2)
     g = Runtime(tiny_target, max_len=128, batch_size=2).generate(prompts, 40, select, k=4, ignore_eos=True)
     assert g.tokens == ref and select.selector.rounds[0] == 2  # tried, charged, then left alone
     assert select.selector.picks[1] > 5 * select.selector.picks[0]
