@@ -44,3 +44,29 @@ def test_position_weights_and_ce():
         position_weights(depth, "linear", 2.0)
     with pytest.raises(DraftheadsError, match="train.loss 'mse'"):
         distill_loss("mse", logits, logits)
+
+
+@pytest.mark.parametrize("kind", ["fkl", "lk"])
+def test_kept_and_recomputed_logits_give_the_same_loss_and_gradient(kind, monkeypatch):
+    """A chunk's draft logits are kept for backward when small, recomputed (checkpoint) when large: same numbers."""
+    from types import SimpleNamespace
+
+    import train.trainer as trainer
+
+    g = torch.Generator().manual_seed(0)
+    lm = torch.nn.Linear(16, 40, bias=False)
+    core = SimpleNamespace(logits_for=lambda h, depth: lm(h))
+    tc = SimpleNamespace(distill_weight=1.0, loss=kind, lk_tv_weight=0.5, hidden_weight=0.0, ce_weight=0.1,
+                         confidence_weight=0.0)
+    tgt, labels = torch.randn(6, 40, generator=g), torch.randint(0, 40, (6,), generator=g)
+    hidden0 = torch.randn(6, 16, generator=g)
+    results = []
+    for keep in (0, 2**30):
+        monkeypatch.setattr(trainer, "KEEP_LOGITS_BYTES", keep)
+        hidden = hidden0.clone().requires_grad_()
+        lm.zero_grad()
+        part, hit = trainer._chunk_loss(core, hidden, None, tgt, labels, labels, torch.ones(6), tc, 0.7)
+        part.backward()
+        results.append((part.detach(), hit, hidden.grad, lm.weight.grad.clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -17,9 +17,9 @@ parameters, w = 2 bytes under bf16 mixed precision (else 4), t = the target's by
                  I = MLP width, a = activation bytes, norms in fp32), the first layer's input 2H wide, the fc output
                  R H a and the attention mask b (T c)^2 bool (Medusa: 3 H a per row and ResBlock instead); one loss
                  chunk 6 C V_draft 4 (C = min(R, 1024) rows: draft and target logits and their softmaxes, recomputed
-                 in backward); online adds the target's own forward, b T (2 I_t + 4 H) t (one layer alive, no grad).
+                 in backward) or, when C V_draft 4 <= 64 MiB, 4 R V_draft 4 (every chunk's kept); online adds the target's own forward, b T (2 I_t + 4 H) t (one layer alive, no grad).
                  Checked against a measured CPU training step on a tiny target (tests/test_plan.py): the measured peak
-                 is 1.06-1.15x the formula for P-EAGLE, DSpark and Medusa; the EAGLE-3 chain keeps per-depth key/value
+                 is 0.99-1.22x the formula for P-EAGLE, DSpark and Medusa; the EAGLE-3 chain keeps per-depth key/value
                  copies the formula leaves out (1.3x).
   framework      2 GiB on a GPU (CUDA context, NCCL buffers, allocator slack); 0 on CPU.
 A row fits when the sum is at most 92% of the GPU's memory.
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from models.errors import DraftheadsError
+from train.losses import KEEP_LOGITS_BYTES, LOSS_CHUNK_ROWS
 
 GIB = 2**30
 GPUS = {"H100-80GB": 79.1 * GIB, "H200": 139.8 * GIB}  # what torch.cuda.mem_get_info reports as total
@@ -41,7 +42,6 @@ LAYOUTS = (("H100-80GB", 8), ("H200", 8), ("H200", 1))
 STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
 HEADROOM = 0.92
 FRAMEWORK_GPU = 2 * GIB
-LOSS_CHUNK_ROWS = 1024  # train/trainer.py: rows of logits alive at once
 
 
 @dataclass
@@ -154,7 +154,9 @@ def memory(s: Sizes, cfg, strategy: str, n_gpus: int, online: bool, device: str 
         per_row_layer = a * (6 * H + 5 * s.q + 2 * s.kv + 5 * s.mlp) + 12 * H
         acts += R * (per_row_layer * s.head_layers + a * H)  # + the first layer's 2H-wide input
         acts += R * H * a + b * (T * c) ** 2  # fc output per row, boolean attention mask
-    acts += 6 * min(R, LOSS_CHUNK_ROWS) * s.vocab_draft * 4
+    chunk = min(R, LOSS_CHUNK_ROWS)
+    kept = chunk * s.vocab_draft * 4 <= KEEP_LOGITS_BYTES  # every chunk's softmaxes saved for backward
+    acts += 4 * R * s.vocab_draft * 4 if kept else 6 * chunk * s.vocab_draft * 4
     if online:
         acts += b * T * (2 * s.target_mlp + 4 * H) * t
     return {"model_states": states, "frozen_target": frozen, "activations": acts,

@@ -26,10 +26,10 @@ from models.errors import DraftheadsError
 from models.families import family
 from train.cod import anchor_plan, cod_plan
 from train.loop import RunLog, Shard, Stage, Tally, check_settings, run_stage
-from train.losses import distill_loss, position_weights, token_ce, total_variation
+from train.losses import (KEEP_LOGITS_BYTES, LOSS_CHUNK_ROWS, distill_loss, position_weights, teacher, token_ce,
+                          total_variation)
 
 STAGES = ("soft_label", "rl")
-LOSS_CHUNK_ROWS = 1024  # rows of [N, V] logits alive at once: 1024 x 49152 fp32 = 200 MB
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,22 +266,26 @@ def _regression_target(core, batch: dict, out, chunk: slice, tc) -> Tensor | Non
 
 
 def _chunk_loss(core, hidden, depth, tgt, labels, best, w, tc, temperature, ref=None):
-    """Weighted loss sum of one chunk; logits are recomputed in backward (checkpoint) so only one chunk is alive.
+    """Weighted loss sum of one chunk. The target's softmax is computed once, here; the draft's logits are kept for
+    backward when a chunk's are at most KEEP_LOGITS_BYTES (a draft vocabulary), else recomputed in backward
+    (checkpoint) so only one chunk is alive.
     ref: the target's LM-head input per row for hidden-state regression (EAGLE's SmoothL1 feature loss), or None."""
+    p = teacher(tgt, temperature)
+
     def f(h):
         logits = core.logits_for(h, depth)
-        per = tc.distill_weight * distill_loss(tc.loss, tgt, logits, temperature, tc.lk_tv_weight)
+        per = tc.distill_weight * distill_loss(tc.loss, p, logits, tv_weight=tc.lk_tv_weight)
         if ref is not None:
             per = per + tc.hidden_weight * F.smooth_l1_loss(h.float(), ref.float(), reduction="none").mean(-1)
         if tc.ce_weight > 0:
             per = per + tc.ce_weight * token_ce(logits, labels)
         if tc.confidence_weight > 0 and hasattr(core, "confidence_logit"):  # DSpark: c_k learns 1 - TV_k
-            survive = 1.0 - total_variation(tgt, logits, temperature).detach()
+            survive = 1.0 - total_variation(p, logits).detach()
             c_logit = core.confidence_logit(h, depth).float()
             per = per + tc.confidence_weight * F.binary_cross_entropy_with_logits(c_logit, survive, reduction="none")
         return (per * w).sum(), (logits.argmax(-1) == best).float()
 
-    if hidden.requires_grad:
+    if hidden.requires_grad and tgt.numel() * 4 > KEEP_LOGITS_BYTES:
         part, hit = torch.utils.checkpoint.checkpoint(f, hidden, use_reentrant=False)
     else:
         part, hit = f(hidden)
