@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
+from inference.sampling import greedy_tokens
 from models.errors import DraftheadsError
 from models.files import write_atomic
 from models.target import Target
@@ -223,7 +224,7 @@ def _run_batch(forward, target: Target, seqs: list[Tensor]) -> list[tuple[Tensor
     result = []
     for r, s in enumerate(seqs):
         final = out.final_hidden[r, : len(s)]
-        argmax = torch.cat([target.lm_head(final[i: i + 512].to(target.dtype)).argmax(-1)
+        argmax = torch.cat([greedy_tokens(target.lm_head(final[i: i + 512].to(target.dtype)))
                             for i in range(0, len(s), 512)]).to(torch.int32)
         result.append((out.aux_hidden[r, : len(s)].float(), final.float(), argmax))
     return result

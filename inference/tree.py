@@ -20,7 +20,7 @@ import heapq
 import torch
 from torch import Tensor
 
-from inference.sampling import SamplingConfig
+from inference.sampling import SamplingConfig, greedy_tokens
 from inference.sources.base import Draft
 from inference.verify import accepts, point_mass, verify_chain
 
@@ -83,7 +83,7 @@ def accept_tree(
     row = 0
     if sampling.greedy:
         while True:
-            target_tok = int(target_logits[row].argmax())
+            target_tok = int(greedy_tokens(target_logits[row]))
             match = [c for c in kids[row] if int(tokens[c]) == target_tok]
             if not match:
                 return path, target_tok

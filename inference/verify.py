@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from inference.sampling import SamplingConfig
+from inference.sampling import SamplingConfig, greedy_tokens
 from inference.sources.base import Draft
 
 
@@ -42,7 +42,7 @@ def accepts(u: Tensor, p_x: Tensor, q_x: Tensor) -> Tensor:
 
 def accept_greedy(draft_tokens: Tensor, target_logits: Tensor) -> tuple[int, int]:
     """draft_tokens [k], target_logits [k+1, V] -> (n_accepted, next_token)."""
-    target_tokens = target_logits.argmax(-1)  # [k+1]
+    target_tokens = greedy_tokens(target_logits)  # [k+1]
     k = draft_tokens.numel()
     n = first_rejection(draft_tokens == target_tokens[:k])
     return n, int(target_tokens[n])

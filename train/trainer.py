@@ -24,6 +24,7 @@ from models.checkpoint import build_draft, head_from_state, load_draft, save_dra
 from models.draft_vocab import build_draft_vocab, extend_draft_vocab, token_counts
 from models.errors import DraftheadsError
 from models.families import family
+from inference.sampling import greedy_tokens
 from train.cod import anchor_plan, cod_plan
 from train.loop import RunLog, Shard, Stage, Tally, check_settings, run_stage
 from train.losses import (KEEP_LOGITS_BYTES, LOSS_CHUNK_ROWS, distill_loss, position_weights, teacher, token_ce,
@@ -154,7 +155,7 @@ def draft_labels(target, head, batch: dict, out, chunk: slice):
 
         labels = to_draft(labels)
         best = None if best is None else to_draft(best)
-    return tgt, labels, tgt.argmax(-1) if best is None else best
+    return tgt, labels, greedy_tokens(tgt) if best is None else best
 
 
 def online_features(dataset, target, dtype: str):
@@ -283,7 +284,7 @@ def _chunk_loss(core, hidden, depth, tgt, labels, best, w, tc, temperature, ref=
             survive = 1.0 - total_variation(p, logits).detach()
             c_logit = core.confidence_logit(h, depth).float()
             per = per + tc.confidence_weight * F.binary_cross_entropy_with_logits(c_logit, survive, reduction="none")
-        return (per * w).sum(), (logits.argmax(-1) == best).float()
+        return (per * w).sum(), (greedy_tokens(logits.detach()) == best).float()
 
     if hidden.requires_grad and tgt.numel() * 4 > KEEP_LOGITS_BYTES:
         part, hit = torch.utils.checkpoint.checkpoint(f, hidden, use_reentrant=False)
