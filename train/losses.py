@@ -6,7 +6,7 @@ No T^2 rescaling: with an annealed T the gradient scale follows T, which the lr 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -20,66 +20,61 @@ LOSS_CHUNK_ROWS = 1024  # rows of [N, V] logits alive at once: 1024 x 49152 fp32
 KEEP_LOGITS_BYTES = 64 * 2**20  # a chunk's float32 logits up to this size are kept for backward, not recomputed
 
 
-@dataclass(frozen=True)
-class Teacher:
-    """The target's side of a distillation loss at temperature T: computed once per chunk of rows, outside the
-    checkpointed part of the step, so backward's recomputation redoes only the draft's softmax."""
+class Softmax:
+    """One side of a distillation loss: log-softmax of logits / T, and its exp on first use. Built once and passed to
+    every term that needs it: the target's once per chunk of rows, outside the checkpointed part of the step; the
+    draft's once per forward, shared by the distillation term, the token CE (at T = 1) and the confidence target."""
 
-    log_p: Tensor  # [N, V] log-softmax of target logits / T
-    p: Tensor  # [N, V]
-    temperature: float
+    def __init__(self, logits: Tensor, temperature: float = 1.0):
+        x = logits.float()
+        self.temperature = temperature
+        self.log_p = F.log_softmax(x if temperature == 1.0 else x / temperature, -1)
 
-
-def teacher(target_logits: Tensor | Teacher, temperature: float = 1.0) -> Teacher:
-    if isinstance(target_logits, Teacher):
-        return target_logits
-    log_p = F.log_softmax(_scaled(target_logits, temperature), -1)
-    return Teacher(log_p, log_p.exp(), temperature)
+    @cached_property
+    def p(self) -> Tensor:
+        return self.log_p.exp()
 
 
-def _scaled(logits: Tensor, temperature: float) -> Tensor:
-    x = logits.float()
-    return x if temperature == 1.0 else x / temperature
+def softmax_of(x: Tensor | Softmax, temperature: float = 1.0) -> Softmax:
+    return x if isinstance(x, Softmax) else Softmax(x, temperature)
 
 
-def forward_kl(target: Tensor | Teacher, draft_logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """KL(p || q) [N]: mass-covering, the usual distillation loss. `target`: logits or a Teacher."""
-    t = teacher(target, temperature)
-    return (t.p * (t.log_p - F.log_softmax(_scaled(draft_logits, t.temperature), -1))).sum(-1)
+def forward_kl(target: Tensor | Softmax, draft: Tensor | Softmax, temperature: float = 1.0) -> Tensor:
+    """KL(p || q) [N]: mass-covering, the usual distillation loss. Each side: logits, or a Softmax."""
+    p, q = softmax_of(target, temperature), softmax_of(draft, temperature)
+    return (p.p * (p.log_p - q.log_p)).sum(-1)
 
 
-def reverse_kl(target: Tensor | Teacher, draft_logits: Tensor, temperature: float = 1.0) -> Tensor:
+def reverse_kl(target: Tensor | Softmax, draft: Tensor | Softmax, temperature: float = 1.0) -> Tensor:
     """KL(q || p) [N]: mode-seeking."""
-    t = teacher(target, temperature)
-    log_q = F.log_softmax(_scaled(draft_logits, t.temperature), -1)
-    return (log_q.exp() * (log_q - t.log_p)).sum(-1)
+    p, q = softmax_of(target, temperature), softmax_of(draft, temperature)
+    return (q.p * (q.log_p - p.log_p)).sum(-1)
 
 
-def total_variation(target: Tensor | Teacher, draft_logits: Tensor, temperature: float = 1.0) -> Tensor:
+def total_variation(target: Tensor | Softmax, draft: Tensor | Softmax, temperature: float = 1.0) -> Tensor:
     """TV(p, q) = 1 - sum_v min(p, q) [N] = the rejection probability of the lossless rule (1 - alpha)."""
-    t = teacher(target, temperature)
-    return 1.0 - acceptance_rates(t.p, F.softmax(_scaled(draft_logits, t.temperature), -1))
+    return 1.0 - acceptance_rates(softmax_of(target, temperature).p, softmax_of(draft, temperature).p)
 
 
-def distill_loss(kind: str, target: Tensor | Teacher, draft_logits: Tensor, temperature: float = 1.0,
+def distill_loss(kind: str, target: Tensor | Softmax, draft: Tensor | Softmax, temperature: float = 1.0,
                  tv_weight: float = 0.5) -> Tensor:
     """fkl | rkl | tv | lk ((1 - tv_weight) * KL + tv_weight * TV: KL's dense gradient early, TV = acceptance)."""
-    t = teacher(target, temperature)
+    p, q = softmax_of(target, temperature), softmax_of(draft, temperature)
     if kind == "fkl":
-        return forward_kl(t, draft_logits)
+        return forward_kl(p, q)
     if kind == "rkl":
-        return reverse_kl(t, draft_logits)
+        return reverse_kl(p, q)
     if kind == "tv":
-        return total_variation(t, draft_logits)
+        return total_variation(p, q)
     if kind == "lk":
-        return (1 - tv_weight) * forward_kl(t, draft_logits) + tv_weight * total_variation(t, draft_logits)
+        return (1 - tv_weight) * forward_kl(p, q) + tv_weight * total_variation(p, q)
     raise DraftheadsError(f"train.loss '{kind}' is not one of {list(LOSSES)}")
 
 
-def token_ce(draft_logits: Tensor, labels: Tensor) -> Tensor:
-    """CE [N] on the (regenerated) tokens; rows with label -1 (outside the draft vocab) give 0."""
-    ce = F.cross_entropy(draft_logits.float(), labels.clamp(min=0), reduction="none")
-    return ce * (labels >= 0)
+def token_ce(draft: Tensor | Softmax, labels: Tensor) -> Tensor:
+    """CE [N] on the (regenerated) tokens at T = 1; rows with label -1 (outside the draft vocab) give 0."""
+    log_q = softmax_of(draft).log_p
+    return -log_q.gather(-1, labels.clamp(min=0)[:, None])[:, 0] * (labels >= 0)
 
 
 def position_weights(depth: Tensor, weighting: str, gamma: float) -> Tensor:

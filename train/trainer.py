@@ -27,7 +27,7 @@ from models.families import family
 from inference.sampling import greedy_tokens
 from train.cod import anchor_plan, cod_plan
 from train.loop import RunLog, Shard, Stage, Tally, check_settings, run_stage
-from train.losses import (KEEP_LOGITS_BYTES, LOSS_CHUNK_ROWS, distill_loss, position_weights, teacher, token_ce,
+from train.losses import (KEEP_LOGITS_BYTES, LOSS_CHUNK_ROWS, Softmax, distill_loss, position_weights, token_ce,
                           total_variation)
 
 STAGES = ("soft_label", "rl")
@@ -271,17 +271,18 @@ def _chunk_loss(core, hidden, depth, tgt, labels, best, w, tc, temperature, ref=
     backward when a chunk's are at most KEEP_LOGITS_BYTES (a draft vocabulary), else recomputed in backward
     (checkpoint) so only one chunk is alive.
     ref: the target's LM-head input per row for hidden-state regression (EAGLE's SmoothL1 feature loss), or None."""
-    p = teacher(tgt, temperature)
+    p = Softmax(tgt, temperature)
 
     def f(h):
         logits = core.logits_for(h, depth)
-        per = tc.distill_weight * distill_loss(tc.loss, p, logits, tv_weight=tc.lk_tv_weight)
+        q = Softmax(logits, temperature)
+        per = tc.distill_weight * distill_loss(tc.loss, p, q, tv_weight=tc.lk_tv_weight)
         if ref is not None:
             per = per + tc.hidden_weight * F.smooth_l1_loss(h.float(), ref.float(), reduction="none").mean(-1)
         if tc.ce_weight > 0:
-            per = per + tc.ce_weight * token_ce(logits, labels)
+            per = per + tc.ce_weight * token_ce(q if temperature == 1.0 else logits, labels)
         if tc.confidence_weight > 0 and hasattr(core, "confidence_logit"):  # DSpark: c_k learns 1 - TV_k
-            survive = 1.0 - total_variation(p, logits).detach()
+            survive = 1.0 - total_variation(p, q).detach()
             c_logit = core.confidence_logit(h, depth).float()
             per = per + tc.confidence_weight * F.binary_cross_entropy_with_logits(c_logit, survive, reduction="none")
         return (per * w).sum(), (greedy_tokens(logits.detach()) == best).float()
