@@ -160,31 +160,42 @@ def plan_groups(sizes: list[int], cost: VerifyCost) -> list[list[int]]:
 
 class SourceSelector:
     """Routes each request, each round, to the source with the most emitted tokens per second
-    (its drafting time + its share of verification time), exponentially weighted (decay per round);
-    every source is tried `warmup` rounds first."""
+    (its drafting time + its share of verification time), exponentially weighted by rounds of the clock (a source's
+    sums decay while others run); every source is tried `warmup` rounds first, and one not picked for
+    `explore_every` rounds is tried again (a score only moves when its source runs: without retries, one slow spell
+    would retire a source for good)."""
 
-    def __init__(self, sources: list, warmup: int = 4, decay: float = 0.95):
-        self.sources, self.warmup, self.decay = list(sources), warmup, decay
+    def __init__(self, sources: list, warmup: int = 4, decay: float = 0.95, explore_every: int = 32):
+        self.sources, self.warmup, self.decay, self.explore_every = list(sources), warmup, decay, explore_every
         self.tokens = [0.0] * len(self.sources)
         self.seconds = [0.0] * len(self.sources)
         self.rounds = [0] * len(self.sources)
         self.picks = [0] * len(self.sources)
+        self.last_pick = [0] * len(self.sources)
+        self.updated = [0] * len(self.sources)  # the clock when the sums were last decayed
+        self.drafting = [0.0] * len(self.sources)  # this round's drafting seconds, until its verification
+        self.clock = 0
 
     def score(self, i: int) -> float:
         return self.tokens[i] / max(self.seconds[i], 1e-9)
 
     def choose(self) -> int:
+        self.clock += 1
         untried = [i for i, r in enumerate(self.rounds) if r < self.warmup]
-        i = untried[0] if untried else max(range(len(self.sources)), key=self.score)
+        stale = [i for i, t in enumerate(self.last_pick) if self.clock - t > self.explore_every]
+        i = (untried or stale or [max(range(len(self.sources)), key=self.score)])[0]
         self.picks[i] += 1
+        self.last_pick[i] = self.clock
         return i
 
     def record_draft(self, i: int, seconds: float) -> None:
-        self.seconds[i] += seconds
+        self.drafting[i] += seconds
 
     def record_verify(self, i: int, emitted: int, seconds: float) -> None:
-        self.tokens[i] = self.tokens[i] * self.decay + emitted
-        self.seconds[i] = self.seconds[i] * self.decay + seconds
+        kept = self.decay ** (self.clock - self.updated[i])
+        self.tokens[i] = self.tokens[i] * kept + emitted
+        self.seconds[i] = self.seconds[i] * kept + seconds + self.drafting[i]
+        self.drafting[i], self.updated[i] = 0.0, self.clock
         self.rounds[i] += 1
 
     def report(self) -> list[dict]:

@@ -97,6 +97,20 @@ def test_selector_prefers_more_tokens_per_second():
     assert sel.choose() == 1
 
 
+def test_selector_retries_a_source_whose_score_went_stale():
+    """b has one slow spell, then is fast again: only a retry can find out, and then it wins."""
+    sel = SourceSelector(["a", "b"], warmup=1, explore_every=8)
+    speed = {0: (2, 0.1), 1: (1, 1.0)}  # b's spell: 1 token per second
+    picks = []
+    for step in range(60):
+        i = sel.choose()
+        picks.append(i)
+        sel.record_verify(i, *speed[i])
+        if step == 5:
+            speed[1] = (5, 0.1)  # b recovers: 50 tok/s against a's 20
+    assert picks[:10].count(1) <= 2 and picks[-20:].count(1) >= 17  # a is still retried now and then
+
+
 class FixedSource:
     """Drafts `tokens(k)` every round after `delay` seconds: a source the selector must learn to avoid."""
 
