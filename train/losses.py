@@ -26,9 +26,9 @@ class Softmax:
     draft's once per forward, shared by the distillation term, the token CE (at T = 1) and the confidence target."""
 
     def __init__(self, logits: Tensor, temperature: float = 1.0):
-        x = logits.float()
-        self.temperature = temperature
-        self.log_p = F.log_softmax(x if temperature == 1.0 else x / temperature, -1)
+        self.temperature = temperature  # at T = 1 the float32 cast happens inside the kernel (no bf16 -> fp32 copy)
+        self.log_p = F.log_softmax(logits, -1, dtype=torch.float32) if temperature == 1.0 else \
+            F.log_softmax(logits.float() / temperature, -1)
 
     @cached_property
     def p(self) -> Tensor:
