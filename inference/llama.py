@@ -50,8 +50,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 # same output decoded alone, verified in a chain, or verified as a tree node whose ancestors sit at scattered cache
 # slots (the lossless check compares exactly that). SDPA flipped greedy tokens in bfloat16 for trees (3 of 16 MT-bench
 # outputs at 128 tokens): its softmax sums keys in vectorised lanes, so a key's slot changes the rounding. float32
-# GEMMs here round a row the same for any row count >= GEMM_MIN_ROWS (1-3 rows take another kernel; tests/test_runtime.py
-# checks the equality), so decoding pads its query rows up to that.
+# GEMMs here round a row the same for any row count >= GEMM_MIN_ROWS (1-3 rows take another kernel;
+# tests/test_runtime.py checks the equality), so decoding pads its query rows up to that.
 # The key span is rounded up to SPAN_BLOCK (fewer distinct shapes; static ones for CUDA graphs).
 # Work that needs no equality (regenerating training data) passes row_invariant=False: no padding, real span, and
 # the softmax's own sum.

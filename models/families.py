@@ -3,8 +3,8 @@
 A family is a head class (a models.layers.TrainableHead, the interface below) plus a `Family` entry: how to build a
 fresh head for a target, the typed options it takes (a frozen dataclass: `draft.extra` is parsed into it, so a typo,
 a wrong type or a value outside its choices fails at compose time), and the capabilities the trainer, the draft
-sources, the plan and the exporters read instead of testing family names. Adding a family = one module with its head class and
-one `register(Family(...))` line (tests/test_families.py adds a toy one that trains, saves, loads and drafts).
+sources, the plan and the exporters read instead of testing family names. Adding a family = one module with its head
+class and one `register(Family(...))` line (tests/test_families.py adds a toy one that trains, saves, loads, drafts).
 
 What callers use of a head (the DraftHead interface):
   family_name, k, config (constructor sizes, saved in config.json), feature ("aux_hidden" | "final_hidden")

@@ -116,4 +116,5 @@ def test_round_outcomes_per_depth():
     assert [stats.tested[j] for j in range(4)] == [2, 2, 2, 1] and [stats.accepted[j] for j in range(4)] == [2, 2, 1, 1]
     stats.emitted = 3 + 5
     total = stats + stats
-    assert total.summary()["acceptance"] == [1.0, 1.0, 0.5, 1.0] and total.tau == 4.0 and total.accept_hist == {2: 2, 4: 2}
+    assert total.summary()["acceptance"] == [1.0, 1.0, 0.5, 1.0]
+    assert total.tau == 4.0 and total.accept_hist == {2: 2, 4: 2}

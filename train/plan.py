@@ -17,7 +17,8 @@ parameters, w = 2 bytes under bf16 mixed precision (else 4), t = the target's by
                  I = MLP width, a = activation bytes, norms in fp32), the first layer's input 2H wide, the fc output
                  R H a and the attention mask b (T c)^2 bool (Medusa: 3 H a per row and ResBlock instead); one loss
                  chunk 6 C V_draft 4 (C = min(R, 1024) rows: draft and target logits and their softmaxes, recomputed
-                 in backward) or, when C V_draft 4 <= 64 MiB, 4 R V_draft 4 (every chunk's kept); online adds the target's own forward, b T (2 I_t + 4 H) t (one layer alive, no grad).
+                 in backward) or, when C V_draft 4 <= 64 MiB, 4 R V_draft 4 (every chunk's kept); online adds
+                 the target's own forward, b T (2 I_t + 4 H) t (one layer alive, no grad).
                  Checked against a measured CPU training step on a tiny target (tests/test_plan.py): the measured peak
                  is 0.99-1.22x the formula for P-EAGLE, DSpark and Medusa; the EAGLE-3 chain keeps per-depth key/value
                  copies the formula leaves out (1.3x).

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inference.sampling import greedy_tokens
 from models.checkpoint import build_draft, head_from_state, load_draft, save_draft
 from models.draft_vocab import build_draft_vocab, extend_draft_vocab, token_counts
 from models.errors import DraftheadsError
 from models.families import family
-from inference.sampling import greedy_tokens
 from train.cod import anchor_plan, cod_plan
 from train.loop import RunLog, Shard, Stage, Tally, check_settings, run_stage
 from train.losses import (KEEP_LOGITS_BYTES, LOSS_CHUNK_ROWS, Softmax, distill_loss, position_weights, token_ce,
