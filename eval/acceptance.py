@@ -123,7 +123,8 @@ def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfi
             messages.append({"role": "user", "content": user})
             ids = prompt_ids(target.tokenizer, messages)  # chat template + generation prompt
             gen = generate_turn(runtime, target, source, ids, max_new, k, sampling, seed + 1000 * i + turn)
-            categories[prompt["category"]] = categories.get(prompt["category"], DecodeStats()) + gen.stats
+            stats = categories.setdefault(prompt["category"], DecodeStats())
+            stats += gen.stats
             output = gen.tokens[0]
             turns.append({"question_id": prompt.get("question_id", i), "category": prompt["category"], "turn": turn,
                           "tokens": len(output), "rounds": gen.stats.rounds, "tau": round(gen.stats.tau, 4),

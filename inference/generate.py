@@ -141,12 +141,13 @@ def speculative_generate(
             aux[length - 1 : length + n] = out.aux_hidden[0, : n + 1]
             final[length - 1 : length + n] = out.final_hidden[0, : n + 1]
         _sync(device)
-        stats.verify_s += time.perf_counter() - t1
+        verify_s = time.perf_counter() - t1
+        stats.verify_s += verify_s
         stats.draft_s += t1 - t0
         stats.forwards += 1
         stats.record_round(draft.size, n, draft.size)
         if hasattr(source, "observe"):  # the feedback hook the runtime calls too (select:)
-            source.observe(draft, n + 1, time.perf_counter() - t1)
+            source.observe(draft, n + 1, verify_s)
         for token in draft.tokens[:n].tolist() + [next_token]:
             seq[length] = token
             length += 1

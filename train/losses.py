@@ -26,7 +26,8 @@ class Softmax:
     draft's once per forward, shared by the distillation term, the token CE (at T = 1) and the confidence target."""
 
     def __init__(self, logits: Tensor, temperature: float = 1.0):
-        self.temperature = temperature  # at T = 1 the float32 cast happens inside the kernel (no bf16 -> fp32 copy)
+        self.logits, self.temperature = logits, temperature
+        # at T = 1 the float32 cast happens inside the kernel (no bf16 -> fp32 copy)
         self.log_p = F.log_softmax(logits, -1, dtype=torch.float32) if temperature == 1.0 else \
             F.log_softmax(logits.float() / temperature, -1)
 
@@ -35,28 +36,31 @@ class Softmax:
         return self.log_p.exp()
 
 
-def softmax_of(x: Tensor | Softmax, temperature: float = 1.0) -> Softmax:
-    return x if isinstance(x, Softmax) else Softmax(x, temperature)
+def softmax_of(x: Tensor | Softmax, temperature: float | None = None) -> Softmax:
+    """x as a Softmax at `temperature` (None: a Softmax as built, logits at T = 1); rebuilt only if T differs."""
+    if isinstance(x, Softmax):
+        return x if temperature in (None, x.temperature) else Softmax(x.logits, temperature)
+    return Softmax(x, 1.0 if temperature is None else temperature)
 
 
-def forward_kl(target: Tensor | Softmax, draft: Tensor | Softmax, temperature: float = 1.0) -> Tensor:
+def forward_kl(target: Tensor | Softmax, draft: Tensor | Softmax, temperature: float | None = None) -> Tensor:
     """KL(p || q) [N]: mass-covering, the usual distillation loss. Each side: logits, or a Softmax."""
     p, q = softmax_of(target, temperature), softmax_of(draft, temperature)
     return (p.p * (p.log_p - q.log_p)).sum(-1)
 
 
-def reverse_kl(target: Tensor | Softmax, draft: Tensor | Softmax, temperature: float = 1.0) -> Tensor:
+def reverse_kl(target: Tensor | Softmax, draft: Tensor | Softmax, temperature: float | None = None) -> Tensor:
     """KL(q || p) [N]: mode-seeking."""
     p, q = softmax_of(target, temperature), softmax_of(draft, temperature)
     return (q.p * (q.log_p - p.log_p)).sum(-1)
 
 
-def total_variation(target: Tensor | Softmax, draft: Tensor | Softmax, temperature: float = 1.0) -> Tensor:
+def total_variation(target: Tensor | Softmax, draft: Tensor | Softmax, temperature: float | None = None) -> Tensor:
     """TV(p, q) = 1 - sum_v min(p, q) [N] = the rejection probability of the lossless rule (1 - alpha)."""
     return 1.0 - acceptance_rates(softmax_of(target, temperature).p, softmax_of(draft, temperature).p)
 
 
-def distill_loss(kind: str, target: Tensor | Softmax, draft: Tensor | Softmax, temperature: float = 1.0,
+def distill_loss(kind: str, target: Tensor | Softmax, draft: Tensor | Softmax, temperature: float | None = None,
                  tv_weight: float = 0.5) -> Tensor:
     """fkl | rkl | tv | lk ((1 - tv_weight) * KL + tv_weight * TV: KL's dense gradient early, TV = acceptance)."""
     p, q = softmax_of(target, temperature), softmax_of(draft, temperature)
@@ -73,7 +77,7 @@ def distill_loss(kind: str, target: Tensor | Softmax, draft: Tensor | Softmax, t
 
 def token_ce(draft: Tensor | Softmax, labels: Tensor) -> Tensor:
     """CE [N] on the (regenerated) tokens at T = 1; rows with label -1 (outside the draft vocab) give 0."""
-    log_q = softmax_of(draft).log_p
+    log_q = softmax_of(draft, 1.0).log_p
     return -log_q.gather(-1, labels.clamp(min=0)[:, None])[:, 0] * (labels >= 0)
 
 

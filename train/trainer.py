@@ -280,7 +280,7 @@ def _chunk_loss(core, hidden, depth, tgt, labels, best, w, tc, temperature, ref=
         if ref is not None:
             per = per + tc.hidden_weight * F.smooth_l1_loss(h.float(), ref.float(), reduction="none").mean(-1)
         if tc.ce_weight > 0:
-            per = per + tc.ce_weight * token_ce(q if temperature == 1.0 else logits, labels)
+            per = per + tc.ce_weight * token_ce(q, labels)
         if tc.confidence_weight > 0 and hasattr(core, "confidence_logit"):  # DSpark: c_k learns 1 - TV_k
             survive = 1.0 - total_variation(p, q).detach()
             c_logit = core.confidence_logit(h, depth).float()
