@@ -237,7 +237,6 @@ def _load_parts(directory: Path, torch_dtype: torch.dtype, device: str, with_lay
     """The model skeleton without weights (accelerate's init_empty_weights), then the head inputs read from the
     safetensors files; with_layers: also every decoder layer, FSDP2-sharded, each rank reading its rows only."""
     from accelerate import init_empty_weights
-    from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -247,10 +246,14 @@ def _load_parts(directory: Path, torch_dtype: torch.dtype, device: str, with_lay
     files = _weight_files(directory)
     for name in HEAD_INPUTS:
         if name in files:
+            module, leaf = name.rsplit(".", 1)
             with safe_open(str(files[name]), framework="pt") as f:
-                set_module_tensor_to_device(model, name, device, value=f.get_tensor(name).to(torch_dtype))
-    if "lm_head.weight" not in files:
-        model.tie_weights()
+                weight = f.get_tensor(name).to(device=device, dtype=torch_dtype)
+            # frozen Parameters set directly: accelerate's set_module_tensor_to_device leaves a plain tensor once a
+            # process group exists, and transformers' tie_weights then fails on it
+            setattr(model.get_submodule(module), leaf, torch.nn.Parameter(weight, requires_grad=False))
+    if "lm_head.weight" not in files:  # tied embeddings: the LM head is the embedding
+        model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.to(device)
     if with_layers:
         _shard_layers(model)
