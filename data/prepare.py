@@ -25,9 +25,9 @@ from models.errors import DraftheadsError
 from models.target import Target
 
 FEATURE_MODES = ("offline", "online", "none")
-SHAPING = ("source", "path", "max_records", "skip_records", "max_length", "overlong", "regenerate", "regen_max_new",
-           "regen_turns", "regen_batch_size", "regen_temperature", "regen_dtype", "regen_backend", "features",
-           "feature_dtype")
+REGEN_SHAPING = ("source", "path", "max_records", "skip_records", "max_length", "regenerate", "regen_max_new",
+                 "regen_turns", "regen_batch_size", "regen_temperature", "regen_dtype", "regen_backend")
+SHAPING = REGEN_SHAPING + ("overlong", "features", "feature_dtype")
 
 
 @dataclass
@@ -40,12 +40,19 @@ class Workers:
 
 def data_settings(d, fingerprint: dict, seed: int) -> dict:
     """What shapes the data directory's content: the data.* fields that change records or tokens, the target (name,
-    tokenizer, feature layers) and the seed; shard sizes do not."""
+    tokenizer, feature layers) and the seed; shard sizes do not. `regen_sha256` keys the regenerated text alone (the
+    feature layers and dtype do not shape it), so heads reading other layers share one regeneration."""
     keep = {k: getattr(d, k) for k in SHAPING}
     keep["target"] = {k: fingerprint[k] for k in ("name", "tokenizer_hash", "layer_ids")}
     keep["seed"] = seed
-    keep["sha256"] = hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    keep["sha256"] = _digest(keep)
+    keep["regen_sha256"] = _digest({**{k: keep[k] for k in REGEN_SHAPING + ("seed",)},
+                                    "target": {k: fingerprint[k] for k in ("name", "tokenizer_hash")}})
     return keep
+
+
+def _digest(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def ready_report(out_dir: str | Path, settings: dict) -> dict | None:
@@ -62,12 +69,15 @@ def ready_report(out_dir: str | Path, settings: dict) -> dict | None:
     return report
 
 
-def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers: Workers = Workers()) -> dict:
+def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers: Workers = Workers(),
+                 regenerated: str | Path | None = None) -> dict:
     """Run the data stage with the data config `d` (conf.schema.DataConfig); every rank calls it. Returns the report
-    (written to out_dir/data_report.json by the main process)."""
+    (written to out_dir/data_report.json by the main process). `regenerated`: where the regenerated conversations
+    are (or go), out_dir/regenerated.jsonl by default; a shared file is reused by runs with the same regen_sha256."""
     if d.features not in FEATURE_MODES:
         raise DraftheadsError(f"data.features '{d.features}' is not one of {list(FEATURE_MODES)}")
     out = Path(out_dir)
+    regenerated = Path(regenerated) if regenerated else out / "regenerated.jsonl"
     main = workers.rank == 0
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -89,17 +99,17 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
     elif d.regenerate:
         max_prompt = max(d.max_length - d.regen_max_new, 1)
         report["regenerate"] = regenerate(
-            target, convs, out / "regenerated.jsonl", max_new=d.regen_max_new, turns=d.regen_turns,
+            target, convs, regenerated, max_new=d.regen_max_new, turns=d.regen_turns,
             batch_size=d.regen_batch_size, temperature=d.regen_temperature, seed=seed, dtype=d.regen_dtype,
             max_prompt_tokens=max_prompt, rank=workers.rank, world=workers.world, backend=d.regen_backend,
             server=d.regen_server)
         if workers.world > 1:
             workers.wait()
             if main:
-                merge_regenerated(target.tokenizer, convs, out / "regenerated.jsonl", workers.world, d.regen_turns,
+                merge_regenerated(target.tokenizer, convs, regenerated, workers.world, d.regen_turns,
                                   d.regen_batch_size, max_prompt)
             workers.wait()
-        lines = (out / "regenerated.jsonl").read_bytes().split(b"\n")
+        lines = regenerated.read_bytes().split(b"\n")
         records = [r for r in map(json.loads, filter(bytes.strip, lines))
                    if r["id"] < len(convs)]  # records past a lowered data.max_records stay on disk, unused
         records.sort(key=lambda r: r["id"])

@@ -139,3 +139,29 @@ def test_prompt_sources_need_the_target_to_answer(tiny_target, tmp_path):
     d = OmegaConf.structured(DataConfig(source="humaneval", max_records=2, regenerate=False))
     with pytest.raises(DraftheadsError, match="data.source=humaneval holds prompts only: set data.regenerate=true"):
         prepare_data(tiny_target, tmp_path / "data", d)
+
+
+def test_heads_reading_other_layers_share_one_regeneration(tiny_target, tmp_path):
+    from omegaconf import OmegaConf
+
+    from conf.schema import DataConfig
+    from data.prepare import data_settings, prepare_data
+    from models.target import Target
+
+    d = OmegaConf.structured(DataConfig(source="prompt_jsonl", path=str(tmp_path / "p.jsonl"), max_records=4,
+                                        max_length=2048, regen_max_new=8, regen_batch_size=4, shard_mb=0.01))
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"turns": [f"write {i}"]}) + "\n" for i in range(4)))
+    three = tiny_target
+    five = Target(three.model, three.tokenizer, three.name, (1, 2, 3, 4, 5))
+    a, b = data_settings(d, three.fingerprint, 0), data_settings(d, five.fingerprint, 0)
+    assert a["sha256"] != b["sha256"] and a["regen_sha256"] == b["regen_sha256"]
+    d2 = d.copy()
+    d2.regen_max_new = 9
+    assert data_settings(d2, three.fingerprint, 0)["regen_sha256"] != a["regen_sha256"]
+
+    shared = tmp_path / "regenerated" / f"{a['regen_sha256']}.jsonl"
+    first = prepare_data(three, tmp_path / "three", d, regenerated=shared)
+    second = prepare_data(five, tmp_path / "five", d, regenerated=shared)
+    assert first["regenerate"]["new_tokens"] > 0 and second["regenerate"]["new_tokens"] == 0  # read, not redone
+    assert second["tokenize"] == first["tokenize"]
+    assert not (tmp_path / "three" / "regenerated.jsonl").exists()

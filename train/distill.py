@@ -68,7 +68,7 @@ def run(cfg: DictConfig) -> dict:
               f"vocab {target.vocab_size}, features from layers {list(target.layer_ids)}; "
               f"{world} process(es) x {threads} thread(s), strategy {cfg.accelerate.strategy}")
     settings = data_settings(d, target.fingerprint, cfg.train.seed)
-    data_dir = data_directory(cfg, out, settings["sha256"], main)
+    data_dir, regenerated = data_directory(cfg, out, settings, main)
     report = {"data": ready_report(data_dir, settings)}
     if report["data"] is None:
         if sharded and d.regenerate and d.regen_backend == "runtime":
@@ -77,7 +77,8 @@ def run(cfg: DictConfig) -> dict:
                                   "the data with accelerate=ddp first")
         target = load()
         report["data"] = prepare_data(target, data_dir, d, cfg.train.seed,
-                                      Workers(accelerator.process_index, world, accelerator.wait_for_everyone))
+                                      Workers(accelerator.process_index, world, accelerator.wait_for_everyone),
+                                      regenerated)
     elif main:
         print(f"[draftheads] data: ready in {data_dir} (same settings: {report['data']['settings']['sha256']})")
     if main:
@@ -113,18 +114,20 @@ def run(cfg: DictConfig) -> dict:
     return report
 
 
-def data_directory(cfg, out: Path, settings_sha: str, main: bool) -> Path:
-    """Where this run's data lives: out/data, or, when runs share data (data.cache_dir, or the points of a Hydra
-    multirun by default), CACHE/<hash of the data settings> with out/data linking to it: runs that differ only in
-    training settings regenerate and extract once."""
+def data_directory(cfg, out: Path, settings: dict, main: bool) -> tuple[Path, Path | None]:
+    """Where this run's data lives and where its regenerated text goes (None: inside the data directory): out/data,
+    or, when runs share data (data.cache_dir, or the points of a Hydra multirun by default), CACHE/<hash of the data
+    settings> with out/data linking to it, and CACHE/regenerated/<hash of the regeneration settings>.jsonl: runs that
+    differ only in training settings regenerate and extract once; heads reading other target layers (DSpark's five,
+    P-EAGLE's three) share the regeneration and extract their own features."""
     cache = cfg.data.cache_dir
     if cache is None and multirun():
         from hydra.core.hydra_config import HydraConfig
 
         cache = str(Path(HydraConfig.get().sweep.dir) / "data")
     if cache is None:
-        return out / "data"
-    shared = Path(cache).resolve() / settings_sha
+        return out / "data", None
+    shared = Path(cache).resolve() / settings["sha256"]
     link = out / "data"
     if main:
         shared.mkdir(parents=True, exist_ok=True)
@@ -132,7 +135,7 @@ def data_directory(cfg, out: Path, settings_sha: str, main: bool) -> Path:
             link.unlink()
         if not link.exists():
             link.symlink_to(shared, target_is_directory=True)
-    return shared
+    return shared, Path(cache).resolve() / "regenerated" / f"{settings['regen_sha256']}.jsonl"
 
 
 def multirun() -> bool:
