@@ -102,6 +102,7 @@ class TrainConfig:
     replay_fraction: float = 0.0  # share of the training mixture drawn from replay_features
     checkpoint_every: int = 50
     holdout_sequences: int = 0  # feature sequences held out (from the end) for validation; 0 = none
+    data_fraction: float = 1.0  # train on the first fraction of the other sequences (a data curve: same held-out set)
     eval_every: int = 100  # stage 1: validate every N steps; the head with the lowest validation loss is kept
     log_every: int = 10
     seed: int = 0
@@ -231,6 +232,7 @@ RULES: dict[str, Callable] = {
     "train.rl_anchors": at_least(1), "train.rl_temperature": at_least(0), "train.rl_surrogate_temperature": above(0),
     "train.checkpoint_every": at_least(1), "train.holdout_sequences": at_least(0), "train.eval_every": at_least(1),
     "train.log_every": at_least(1), "train.seed": at_least(0), "train.replay_fraction": between(0, 0.95),
+    "train.data_fraction": lambda v: (math.isfinite(v) and 0 < v <= 1, "must be in (0, 1]"),
     "eval.limit": at_least(0), "eval.max_new": at_least(1), "eval.domain_skip": at_least(0),
     "eval.domain_limit": at_least(1), "eval.k": each(between(1, 64)),
     "eval.temperatures": each(at_least(0)),

@@ -85,6 +85,7 @@ def test_every_setting_has_a_legal_range_or_set():
     ("train.temperature.end=inf", "train.temperature.end=inf must be > 0"),
     ("train.stages=[soft_label,rll]", "train.stages=['soft_label', 'rll'] every entry must be one of"),
     ("eval.temperatures=[0,-1]", "every entry must be >= 0"),
+    ("train.data_fraction=0", "train.data_fraction=0.0 must be in (0, 1]"), ("train.data_fraction=1.5", "(0, 1]"),
 ])
 def test_out_of_range_settings_are_refused_before_any_work(override, message):
     from conf.schema import check_config
@@ -139,3 +140,18 @@ def test_norm_before_residual_reaches_the_head(tiny_target):
 
     head = build_draft("peagle", tiny_target, 3, extra={"norm_before_residual": True})
     assert head.config["norm_before_residual"] is True and head.layers[0].norm_before_residual
+
+
+def test_the_million_token_recipes_share_one_regeneration_and_one_budget():
+    from data.prepare import data_settings
+
+    settings, steps = {}, set()
+    for family in ("peagle", "eagle3", "dspark", "dflash"):
+        cfg = _compose([f"+experiment={family}_smollm2_1m"])
+        fingerprint = {"name": cfg.target.name, "tokenizer_hash": "t", "layer_ids": list(cfg.target.layer_ids)}
+        settings[family] = data_settings(cfg.data, fingerprint, cfg.train.seed)
+        steps.add((cfg.train.steps, cfg.train.batch_size, cfg.accelerate.num_processes, cfg.eval.limit))
+        assert cfg.draft.family == family
+    assert len({s["regen_sha256"] for s in settings.values()}) == 1 and len(steps) == 1
+    assert settings["peagle"]["sha256"] == settings["eagle3"]["sha256"]  # same layers: same features
+    assert settings["dspark"]["sha256"] == settings["dflash"]["sha256"] != settings["peagle"]["sha256"]

@@ -423,3 +423,14 @@ def test_validation_reads_every_held_out_sequence_once(tiny_target):
     for rank in (0, 1):
         validation_fn(loss_on, holdout, 2, 2)(None, Shard(rank, 2, reduce=lambda t: t.means()))
     assert seen == [[0, 1], [2]]
+
+
+def test_a_data_fraction_grows_the_training_set_and_keeps_the_held_out_one():
+    from train.trainer import split_holdout
+
+    data = list(range(100))
+    splits = {f: split_holdout(data, 20, f) for f in (0.125, 0.25, 0.5, 1.0)}
+    assert {f: len(t) for f, (t, _) in splits.items()} == {0.125: 10, 0.25: 20, 0.5: 40, 1.0: 80}
+    assert all(list(h) == list(range(80, 100)) for _, h in splits.values())  # one held-out set for the whole curve
+    assert list(splits[0.25][0]) == list(range(20))  # each fraction holds the smaller ones
+    assert split_holdout(data, 0, 1.0) == (data, None)

@@ -94,15 +94,16 @@ def with_replay(dataset, path: str | None, fraction: float, target):
     return Concat(dataset, Subset(general, [i * len(general) // n for i in range(n)]))
 
 
-def split_holdout(dataset, holdout: int):
-    """(train, held-out): the last `holdout` sequences are held out; never trained on."""
+def split_holdout(dataset, holdout: int, fraction: float = 1.0):
+    """(train, held-out): the last `holdout` sequences are held out, never trained on; training reads the first
+    `fraction` of the others (a data curve keeps the held-out set and grows the training set)."""
     n = len(dataset)
-    if holdout <= 0:
-        return dataset, None
     if holdout >= n:
         raise DraftheadsError(f"train.holdout_sequences={holdout} leaves nothing to train on ({n} sequences); "
                               "lower it or add data (data.max_records)")
-    return Subset(dataset, list(range(n - holdout))), Subset(dataset, list(range(n - holdout, n)))
+    held = Subset(dataset, list(range(n - holdout, n))) if holdout > 0 else None
+    kept = max(1, round((n - max(holdout, 0)) * fraction))
+    return (dataset if held is None and kept == n else Subset(dataset, list(range(kept)))), held
 
 
 def batch_indices(micro: int, batch_size: int, n: int, seed: int) -> list[int]:
@@ -317,7 +318,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
         out.mkdir(parents=True, exist_ok=True)
     everything = open_features(features, target)
     fill = online_features(everything, target, cfg.data.feature_dtype)
-    dataset, holdout = split_holdout(everything, tc.holdout_sequences)
+    dataset, holdout = split_holdout(everything, tc.holdout_sequences, tc.data_fraction)
     dataset = with_replay(dataset, tc.replay_features, tc.replay_fraction, target)
     resolved = OmegaConf.to_yaml(cfg, resolve=True) if OmegaConf.is_config(cfg) else None
     torch.manual_seed(tc.seed)  # every rank builds the same fresh head
