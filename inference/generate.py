@@ -17,6 +17,8 @@ which is what `DraftContext` promises.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 from transformers import DynamicCache
@@ -164,4 +166,5 @@ def truncate_draft(draft: Draft, k: int) -> Draft:
     if draft.size <= k:
         return draft
     cut = lambda t: None if t is None else t[:k]  # noqa: E731
-    return Draft(draft.tokens[:k], cut(draft.probs), cut(draft.confidences), cut(draft.parents))
+    return replace(draft, tokens=draft.tokens[:k], probs=cut(draft.probs), confidences=cut(draft.confidences),
+                   parents=cut(draft.parents))

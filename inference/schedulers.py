@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from inference.sources.base import Draft
 
@@ -135,7 +135,7 @@ class ConfidencePrefix:
             n = draft.size if explore else self.keep(self.measured(draft.size, key))
         self.kept.append(n)
         cut = lambda t: None if t is None else t[:n]  # noqa: E731
-        return Draft(draft.tokens[:n], cut(draft.probs), cut(draft.confidences), None)
+        return replace(draft, tokens=draft.tokens[:n], probs=cut(draft.probs), confidences=cut(draft.confidences))
 
 
 def plan_groups(sizes: list[int], cost: VerifyCost) -> list[list[int]]:

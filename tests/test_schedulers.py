@@ -156,6 +156,17 @@ def test_selector_charges_rounds_without_a_draft(tiny_target):
     assert select.selector.picks[1] > 5 * select.selector.picks[0]
 
 
+def test_select_hears_about_every_draft_even_one_the_prefix_scheduler_cut(tiny_target):
+    prompts = make_prompts((5, 13), seed=3)
+    ref = reference(tiny_target, prompts, 40)
+    select = SelectSource([wrong_source(), OracleSource(prompts, ref)], "select:wrong+oracle", warmup=2)
+    prefix = ConfidencePrefix(VerifyCost([1, 2, 8], [1.0, 1.05, 1.4]))
+    g = Runtime(tiny_target, max_len=128, batch_size=2).generate(prompts, 40, select, k=6, prefix=prefix,
+                                                                   ignore_eos=True)
+    assert g.tokens == ref and min(prefix.kept) < 6  # some drafts were cut (new Draft objects)
+    assert sum(select.selector.rounds) == sum(select.selector.picks) > 20  # every pick was reported to its part
+
+
 def test_select_spec_builds_and_stays_lossless(tiny_target):
     from inference.sources import build_source
 

@@ -29,6 +29,7 @@ class Draft:
     probs: Tensor | None = None  # [k, V] draft distributions q_k they were sampled from; None = point mass
     confidences: Tensor | None = None  # [k] P(token k accepted | previous accepted), when the source knows
     parents: Tensor | None = None  # [k] tree parent index per token (-1 = anchor); None = a chain
+    origin: int | None = None  # which part of a combined source (select:) proposed it; truncation keeps it
 
     @property
     def size(self) -> int:

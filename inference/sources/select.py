@@ -10,6 +10,7 @@ the verifier's rule stays exact. Parts that skip rounds catch up on their next c
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from inference.sampling import SamplingConfig
 from inference.schedulers import SourceSelector
@@ -22,7 +23,6 @@ class SelectSource:
         self.selector, self.name = SourceSelector(sources, warmup=warmup), spec
         self.needs_features = any(s.needs_features for s in sources)
         self.tree = any(getattr(s, "tree", False) for s in sources)
-        self._chosen: dict[int, int] = {}  # id(draft) -> the part that proposed it, until observed
 
     @property
     def sources(self) -> list[DraftSource]:
@@ -37,14 +37,12 @@ class SelectSource:
         t0 = time.perf_counter()
         draft = self.sources[i].propose(ctx, k, sampling)
         self.selector.record_draft(i, time.perf_counter() - t0)
-        self._chosen[id(draft)] = i
-        return draft
+        return replace(draft, origin=i)
 
     def observe(self, draft: Draft, emitted: int, verify_seconds: float) -> None:
         """The runtime's report on a verified draft: tokens it emitted, its share of the forward's time."""
-        i = self._chosen.pop(id(draft), None)
-        if i is not None:
-            self.selector.record_verify(i, emitted, verify_seconds)
+        if draft.origin is not None:
+            self.selector.record_verify(draft.origin, emitted, verify_seconds)
 
     def report(self) -> list[dict]:
         return self.selector.report()
