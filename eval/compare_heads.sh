@@ -1,60 +1,71 @@
 #!/usr/bin/env bash
-# The head comparisons of issues #3 and #6 on the default target, one heavy job at a time, every head on the same
-# regenerated ShareGPT slice and budget (the settings of conf/experiment/peagle_smollm2.yaml):
+# Head comparisons on the default target, one heavy job at a time, every head on the same regenerated ShareGPT text
+# and the same budget:
 #   JOBS="peagle dspark dflash rnn medusa eagle3 rl rl_strong rl_greedy rl_t1 anneal" bash eval/compare_heads.sh
-# EXTRA="train.mixed_precision=bf16 ..." adds overrides to every job; ROOT picks the output tree (default outputs/cmp).
-# P-EAGLE-family heads share outputs/cmp/data3 (features of 3 target layers); DSpark-family heads share
-# outputs/cmp/data5 (5 layers; the regenerated text is copied over, so only the features are recomputed).
-# τ tables: outputs/cmp/NAME/eval/summary.md. Measured results: README.md.
+#   SCALE=1m JOBS="peagle eagle3 dflash dspark curve_0.125 curve_0.25 curve_0.5 rl_t1" bash eval/compare_heads.sh
+# SCALE="" (default): the settings of conf/experiment/peagle_smollm2.yaml (1200 records), ROOT=outputs/cmp.
+# SCALE=1m: the million-token recipes (conf/experiment/*_smollm2_1m.yaml: their steps, processes, 80 MT-bench
+# questions), ROOT=outputs/million. EXTRA="k=v ..." adds overrides to every job.
+# Heads share one regeneration (data.cache_dir keys it by the settings that shape it); heads reading the same target
+# layers share features. Every job resumes where it stopped; a finished one is skipped. Seconds per job:
+# $ROOT/times.jsonl; τ tables: $ROOT/NAME/eval/summary.md. Measured results: README.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_WAIT_POLICY=PASSIVE  # spin-waiting threads thrash 2 cores when anything else runs
 PY=${PY:-.venv/bin/python}
-ROOT=${ROOT:-outputs/cmp}
-COMMON=(train.steps="${STEPS:-600}" eval.limit="${LIMIT:-16}" "eval.temperatures=[0.0,1.0]" runtime.threads="${THREADS:-2}"
-        ${EXTRA:-})
+SCALE=${SCALE:-}
+SUFFIX=${SCALE:+_$SCALE}
+if [ -z "$SCALE" ]; then
+  ROOT=${ROOT:-outputs/cmp}
+  COMMON=(train.steps="${STEPS:-600}" eval.limit="${LIMIT:-16}" data.cache_dir="$ROOT/data_cache")
+  PEAGLE_K="[5,7,8]"
+else
+  ROOT=${ROOT:-outputs/million}
+  COMMON=(${STEPS:+train.steps=$STEPS} ${LIMIT:+eval.limit=$LIMIT})
+  PEAGLE_K="[5]"
+fi
+COMMON+=("eval.temperatures=[0.0,1.0]" runtime.threads="${THREADS:-2}" ${EXTRA:-})
 
-data() {  # data3 | data5: the shared data stage, once
-  local dir=$ROOT/$1 exp=peagle_smollm2
-  [ "$1" = data5 ] && exp=dspark_smollm2
-  [ -f "$dir/data/data_report.json" ] && return
-  mkdir -p "$dir/data"
-  [ "$1" = data5 ] && [ -f "$ROOT/data3/data/regenerated.jsonl" ] && cp "$ROOT/data3/data/regenerated.jsonl" "$dir/data/"
-  $PY -m train.distill +experiment=$exp output_dir="$dir" "train.stages=[]" eval.limit=0 > "$dir/log.txt" 2>&1
-}
-
-run() {  # name data overrides...
-  local name=$1 shared=$2 out=$ROOT/$1
-  shift 2
-  data "$shared"
+run() {  # name overrides...
+  local name=$1 out=$ROOT/$1 t0=$SECONDS
+  shift
   mkdir -p "$out"
-  [ -e "$out/data" ] || ln -s "../$shared/data" "$out/data"
   [ -f "$out/run_report.json" ] && { echo "== $name: done before"; return; }
   echo "== $name ($(date -u +%T))"
-  $PY -m train.distill output_dir="$out" "${COMMON[@]}" "$@" > "$out/log.txt" 2>&1 || echo "== $name failed: $out/log.txt"
+  if $PY -m train.distill output_dir="$out" "${COMMON[@]}" "$@" > "$out/log.txt" 2>&1; then
+    echo "{\"job\": \"$name\", \"seconds\": $((SECONDS - t0)), \"scale\": \"${SCALE:-default}\"}" >> "$ROOT/times.jsonl"
+  else
+    echo "== $name failed: $out/log.txt"
+  fi
   cat "$out/eval/summary.md" 2>/dev/null
+}
+
+rl() {  # name T overrides...: stage 2 alone from the P-EAGLE job's stage-1 head
+  local name=$1 T=$2
+  shift 2
+  run "$name" "+experiment=peagle_smollm2$SUFFIX" "eval.sources=[]" "train.stages=[rl]" \
+    draft.init_from="$ROOT/peagle/head_soft_label" train.rl_temperature="$T" "$@"
 }
 
 for job in ${JOBS:-peagle dspark dflash rnn medusa eagle3 rl rl_strong anneal}; do
   case $job in
-    peagle) run peagle data3 +experiment=peagle_smollm2 "eval.k=[5,7,8]" "eval.sources=[prompt_lookup]" ;;
-    medusa) run medusa data3 +experiment=medusa_smollm2 "eval.sources=[]" ;;
-    eagle3) run eagle3 data3 +experiment=eagle3_smollm2 "eval.sources=[]" ;;
-    anneal) run anneal data3 +experiment=peagle_smollm2 "eval.sources=[]" train.temperature.start=2.0 \
+    peagle) run peagle "+experiment=peagle_smollm2$SUFFIX" "eval.k=$PEAGLE_K" "eval.sources=[prompt_lookup]" ;;
+    medusa|eagle3) run $job "+experiment=${job}_smollm2$SUFFIX" "eval.sources=[]" ;;
+    anneal) run anneal +experiment=peagle_smollm2 "eval.sources=[]" train.temperature.start=2.0 \
               train.temperature.end=1.0 train.temperature.schedule=cosine ;;
-    rl)     run rl data3 +experiment=peagle_smollm2 "eval.sources=[]" "train.stages=[rl]" \
-              draft.init_from="$ROOT/peagle/head_soft_label" train.rl_steps="${RL_STEPS:-150}" train.rl_anchors=1 ;;
-    rl_strong) run rl_strong data3 +experiment=peagle_smollm2 "eval.sources=[]" "train.stages=[rl]" \
-              draft.init_from="$ROOT/peagle/head_soft_label" train.rl_steps=300 train.rl_lr=3e-4 \
-              train.rl_kl_weight=0.02 train.rl_pg_weight=0.5 train.rl_anchors=1 ;;
+    curve_*)  # P-EAGLE on the first fraction of the training sequences, same steps and held-out set
+            run $job "+experiment=peagle_smollm2$SUFFIX" train.data_fraction="${job#curve_}" "eval.sources=[]" \
+              "eval.k=[5]" "eval.temperatures=[0.0]" eval.head_tree=false ;;
+    rl)     rl rl null train.rl_steps="${RL_STEPS:-150}" train.rl_anchors=1 ;;
+    rl_strong) rl rl_strong null train.rl_steps=300 train.rl_lr=3e-4 train.rl_kl_weight=0.02 train.rl_pg_weight=0.5 \
+              train.rl_anchors=1 ;;
     rl_greedy|rl_t1)  # 16 blocks per sequence and step; greedy: optimise T=0 acceptance, t1: T=1
-              T=0.0; [ $job = rl_t1 ] && T=1.0
-              run $job data3 +experiment=peagle_smollm2 "eval.sources=[]" "train.stages=[rl]" \
-              draft.init_from="$ROOT/peagle/head_soft_label" train.rl_steps="${RL_STEPS:-100}" train.rl_lr=1e-4 \
-              train.rl_kl_weight=0.1 train.rl_pg_weight=0.1 train.rl_anchors=16 train.rl_temperature=$T ;;
-    dspark) run dspark data5 +experiment=dspark_smollm2 ;;
-    dflash) run dflash data5 +experiment=dflash_smollm2 ;;
-    rnn)    run rnn data5 +experiment=dspark_smollm2 draft.extra.sequential=rnn ;;
-    *) echo "unknown job '$job' (peagle medusa eagle3 anneal rl rl_strong rl_greedy rl_t1 dspark dflash rnn)"; exit 2 ;;
+            T=0.0; [ $job = rl_t1 ] && T=1.0
+            rl $job $T train.rl_steps="${RL_STEPS:-100}" train.rl_lr=1e-4 train.rl_kl_weight=0.1 train.rl_pg_weight=0.1 \
+              train.rl_anchors=16 ;;
+    dspark|dflash) run $job "+experiment=${job}_smollm2$SUFFIX" ;;
+    rnn)    run rnn "+experiment=dspark_smollm2$SUFFIX" draft.extra.sequential=rnn ;;
+    *) echo "unknown job '$job' (peagle medusa eagle3 anneal curve_F rl rl_strong rl_greedy rl_t1 dspark dflash rnn)"
+       exit 2 ;;
   esac
 done
