@@ -3,6 +3,7 @@
 # and the same budget:
 #   JOBS="peagle dspark dflash rnn medusa eagle3 rl rl_strong rl_greedy rl_t1 anneal" bash eval/compare_heads.sh
 #   SCALE=1m JOBS="peagle eagle3 dflash dspark curve_0.125 curve_0.25 curve_0.5 rl_t1" bash eval/compare_heads.sh
+#   JOBS="dspark_r64=dspark:draft.extra.rank=64 dspark_g4=dspark:draft.k=4,eval.k=[4]" bash eval/compare_heads.sh
 # SCALE="" (default): the settings of conf/experiment/peagle_smollm2.yaml (1200 records), ROOT=outputs/cmp.
 # SCALE=1m: the million-token recipes (conf/experiment/*_smollm2_1m.yaml: their steps, processes, 80 MT-bench
 # questions), ROOT=outputs/million. EXTRA="k=v ..." adds overrides to every job.
@@ -65,7 +66,12 @@ for job in ${JOBS:-peagle dspark dflash rnn medusa eagle3 rl rl_strong anneal}; 
               train.rl_anchors=16 ;;
     dspark|dflash) run $job "+experiment=${job}_smollm2$SUFFIX" ;;
     rnn)    run rnn "+experiment=dspark_smollm2$SUFFIX" draft.extra.sequential=rnn ;;
-    *) echo "unknown job '$job' (peagle medusa eagle3 anneal curve_F rl rl_strong rl_greedy rl_t1 dspark dflash rnn)"
+    *=*:*)  # an ablation: NAME=FAMILY:k=v,k=v (e.g. dspark_r64=dspark:draft.extra.rank=64,train.anchors_per_sequence=32)
+            name=${job%%=*} spec=${job#*=}
+            IFS=, read -ra overrides <<< "${spec#*:}"
+            run "$name" "+experiment=${spec%%:*}_smollm2$SUFFIX" "${overrides[@]}" ;;
+    *) echo "unknown job '$job' (peagle medusa eagle3 anneal curve_F rl rl_strong rl_greedy rl_t1 dspark dflash rnn," \
+            "or NAME=FAMILY:k=v,k=v)"
        exit 2 ;;
   esac
 done
