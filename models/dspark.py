@@ -47,7 +47,7 @@ class DSparkDrafter(TrainableHead):
     def __init__(self, hidden_size: int, num_aux_layers: int, num_layers: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, intermediate_size: int, vocab_size: int, k: int, sequential: str = "markov",
                  rank: int = 256, draft_vocab_size: int | None = None, rms_norm_eps: float = 1e-5,
-                 rope_theta: float = 10000.0, rope_scaling: dict | None = None):
+                 rope_theta: float = 10000.0, rope_scaling: dict | None = None, confidence_grad: bool = False):
         super().__init__()
         if sequential not in SEQUENTIAL:
             raise DraftheadsError(f"draft.extra.sequential '{sequential}' is not one of {list(SEQUENTIAL)}")
@@ -56,7 +56,8 @@ class DSparkDrafter(TrainableHead):
                            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            intermediate_size=intermediate_size, vocab_size=vocab_size, k=k, sequential=sequential,
                            rank=rank, draft_vocab_size=draft_vocab_size, rms_norm_eps=rms_norm_eps,
-                           rope_theta=rope_theta, rope_scaling=rope_scaling)
+                           rope_theta=rope_theta, rope_scaling=rope_scaling, confidence_grad=confidence_grad)
+        self.confidence_grad = confidence_grad
         self.k, self.sequential, self.head_dim, self.rope_theta = k, sequential, head_dim, rope_theta
         self.rope_scaling = rope_scaling
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
@@ -118,8 +119,10 @@ class DSparkDrafter(TrainableHead):
         return base + self.W2(hidden[..., H:]) if self.rank else base
 
     def confidence_logit(self, hidden: Tensor, depth: Tensor) -> Tensor:
-        """[N]: logit of c_k (calibrated by the per-position temperature), from [h_k; e_k] (detached)."""
-        return self.confidence(hidden.detach()).squeeze(-1) / self.confidence_temperature[depth - 1]
+        """[N]: logit of c_k (calibrated by the per-position temperature), from [h_k; e_k], detached unless the head
+        was built with confidence_grad (then the BCE shapes the features the logits read too)."""
+        hidden = hidden if self.confidence_grad else hidden.detach()
+        return self.confidence(hidden).squeeze(-1) / self.confidence_temperature[depth - 1]
 
     def context_kv(self, layer, context: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """context [B, n, H] -> this layer's (k, v) [B, kvh, n, hd] of the context rows (RoPE at their positions)."""
@@ -222,8 +225,9 @@ class DSparkDrafter(TrainableHead):
 
 
 def dspark_for_target(target, k: int, num_layers: int = 1, draft_vocab: DraftVocab | None = None,
-                      sequential: str = "markov", rank: int = 256) -> DSparkDrafter:
+                      sequential: str = "markov", rank: int = 256, confidence_grad: bool = False) -> DSparkDrafter:
     """A fresh head sized from the target's config (heads, head dim, MLP width, RoPE theta and scaling)."""
     head = DSparkDrafter(**target_layer_sizes(target), num_layers=num_layers, k=k, sequential=sequential, rank=rank,
-                         draft_vocab_size=None if draft_vocab is None else draft_vocab.size)
+                         draft_vocab_size=None if draft_vocab is None else draft_vocab.size,
+                         confidence_grad=confidence_grad)
     return head.to(target.dtype).attach_target(target, draft_vocab, fresh=True)

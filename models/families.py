@@ -36,6 +36,7 @@ class PEagleOptions:
 class DSparkOptions:
     sequential: Literal["markov", "rnn"] = "markov"  # the sequential bias over the block (rnn: GRU-cell state)
     rank: int = 256  # r of its low-rank transition W1 [V_draft, r], W2 [r, V_draft]
+    confidence_grad: bool = False  # the confidence BCE trains the backbone and W1 too (the paper's end-to-end head)
 
     def __post_init__(self):
         if self.rank < 1:
@@ -102,10 +103,12 @@ def _peagle(parallel_family: bool):
     return build
 
 
-def _dspark(target, k, num_layers, draft_vocab, parallel, share_lm_head, sequential="none", rank=0):
+def _dspark(target, k, num_layers, draft_vocab, parallel, share_lm_head, sequential="none", rank=0,
+            confidence_grad=False):
     from models.dspark import dspark_for_target
 
-    return dspark_for_target(target, k, num_layers, draft_vocab, sequential=sequential, rank=rank)
+    return dspark_for_target(target, k, num_layers, draft_vocab, sequential=sequential, rank=rank,
+                             confidence_grad=confidence_grad)
 
 
 def _medusa(target, k, num_layers, draft_vocab, parallel, share_lm_head):

@@ -228,6 +228,17 @@ def test_bad_extra_is_a_clear_error(target5):
         build_draft("dspark", target5, K, extra={"rnak": 8})
 
 
+@pytest.mark.parametrize("coupled", [False, True])
+def test_the_confidence_loss_reaches_the_backbone_only_when_coupled(target5, coupled):
+    from models.checkpoint import build_draft
+
+    head = build_draft("dspark", target5, K, extra={"rank": 8, "confidence_grad": coupled})
+    hidden = torch.randn(3, head.hidden_size + 8, requires_grad=True)
+    head.confidence_logit(hidden, torch.tensor([1, 2, 3])).sum().backward()
+    assert (hidden.grad is not None and bool(hidden.grad.abs().sum() > 0)) == coupled
+    assert head.config["confidence_grad"] == coupled  # recorded: a reloaded head trains the same way
+
+
 def test_sequential_temperature_scaling_lowers_ece():
     from train.calibration import ece, fit_sequential_temperature
 
