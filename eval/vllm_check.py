@@ -3,7 +3,7 @@
     python eval/vllm_check.py --head outputs/demo_data/head --out outputs/vllm_check \
         --vllm-python /work/vllm-venv/bin/python
 
-1. export --head to the speculators layout (models/export.py) under --out;
+1. export --head to the speculators layout (models/export_speculators.py) under --out;
 2. our side (this venv): the first --limit MT-bench prompts, every turn, greedy, --max-new tokens, float32, through
    eval.acceptance's loop with the head -> our output ids, τ and per-position acceptance; turn 2 follows our turn-1
    answer, and the exact prompt token ids of every turn are kept;
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> dict:
     from eval.acceptance import load_prompts
     from models.checkpoint import load_draft
     from models.errors import DraftheadsError
-    from models.export import export_speculators
+    from models.export_speculators import export_speculators
     from models.target import load_target, resolve_target_dir
 
     if not args.head:

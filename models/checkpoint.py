@@ -149,7 +149,8 @@ def load_draft(directory, target, device=None, k: int | None = None):
     length of an SGLang draft that does not record one). Refuses a foreign target."""
     config = read_draft_config(directory)
     if config["layout"] != "draftheads":
-        from models.export import import_sglang, import_speculators
+        from models.export_sglang import import_sglang
+        from models.export_speculators import import_speculators
 
         head = import_speculators(directory, target) if config["layout"] == "speculators" else \
             import_sglang(directory, target, k)

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from models.checkpoint import save_draft, load_draft
 from models.draft_vocab import DraftVocab
 from models.errors import DraftheadsError
-from models.export import export_speculators, import_speculators
+from models.export_speculators import export_speculators, import_speculators
 from models.peagle import DraftCache, peagle_for_target
 
 
@@ -69,7 +69,7 @@ def test_export_refuses_medusa(tiny_target, tmp_path):
 def test_default_mask_token_is_an_unused_special_token(tiny_target):
     from types import SimpleNamespace
 
-    from models.export import unused_special_token
+    from models.export_speculators import unused_special_token
 
     def special(text):
         return type("AddedToken", (), {"special": True, "__str__": lambda self: text})()

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from models.checkpoint import load_draft, save_draft
 from models.draft_vocab import DraftVocab
 from models.errors import DraftheadsError
-from models.export import export_sglang, import_sglang
+from models.export_sglang import export_sglang, import_sglang
 from models.peagle import DraftCache, peagle_for_target
 from models.target import Target, tiny_random_llama
 from tests.test_export import _randomise

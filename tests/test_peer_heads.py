@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from models.checkpoint import load_draft, save_draft
 from models.draft_vocab import DraftVocab
 from models.errors import DraftheadsError
-from models.export import export_sglang, export_speculators
+from models.export_sglang import export_sglang
+from models.export_speculators import export_speculators
 from models.peagle import DecoderLayer, DraftCache, draft_attention_mask, peagle_for_target, rotary
 from models.target import Target, tiny_random_llama
 from tests.test_export import _randomise

@@ -10,7 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from models.checkpoint import load_draft, save_draft
 from models.dspark import dspark_for_target
 from models.errors import DraftheadsError
-from models.export import export_sglang, export_speculators, import_sglang, import_speculators
+from models.export_sglang import export_sglang, import_sglang
+from models.export_speculators import export_speculators, import_speculators
 from models.peagle import DraftCache, PEagleDrafter, peagle_for_target, rotary, target_layer_sizes
 from models.target import Target
 from models.tiny_tokenizer import tiny_byte_tokenizer
