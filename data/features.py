@@ -78,8 +78,7 @@ def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out
         raise _changed(out, start, len(mine))
     prefix = "shard" if world == 1 else f"shard_r{rank}-of-{world}"
     todo = mine[start:]
-    buffer: list[dict] = []
-    buffered, new_tokens, t0 = 0, 0, time.perf_counter()
+    new_tokens, t0 = 0, time.perf_counter()
     tokens_todo = sum(len(ids) for ids, _ in todo)
     _check_space(out, tokens_todo * _bytes_per_token(target, hidden, dtype))
     with tqdm(total=tokens_todo, desc="features" if world == 1 else f"features[{rank}]", unit="tok",
@@ -87,26 +86,24 @@ def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out
         forward = _feature_forward(target) if hidden else None
         i = 0
         while i < len(todo):
-            batch = [todo[i]]  # pack sequences up to batch_tokens (right padding), never far past a shard boundary
-            while (i + len(batch) < len(todo)
-                   and (len(batch) + 1) * max(len(s[0]) for s in batch + [todo[i + len(batch)]]) <= batch_tokens
-                   and buffered + sum(len(s[0]) for s in batch) < shard_tokens):
-                batch.append(todo[i + len(batch)])
-            i += len(batch)
-            states = _run_batch(forward, target, [ids for ids, _ in batch]) if hidden else [None] * len(batch)
-            for (ids, mask), state in zip(batch, states):
-                stored = {} if state is None else \
-                    {**encode(state[0].cpu(), state[1].cpu(), dtype), "target_argmax": state[2].cpu()}
-                buffer.append({"input_ids": ids, "loss_mask": mask, **stored})
-                buffered += len(ids)
-                new_tokens += len(ids)
-                bar.update(len(ids))
-            if buffered >= shard_tokens or i == len(todo):
-                for b in buffer:
-                    _digest_update(digest, b["input_ids"], b["loss_mask"])
-                _write_shard(out, manifest, buffer, digest.hexdigest(), prefix)
-                buffer, buffered = [], 0
-                write_atomic(mpath, json.dumps(manifest, indent=1))
+            n, size = 0, 0  # the next shard: sequences in order up to shard_tokens
+            while i + n < len(todo) and (n == 0 or size < shard_tokens):
+                size += len(todo[i + n][0])
+                n += 1
+            shard, i = todo[i: i + n], i + n
+            stored: list[dict] = [{} for _ in shard]  # each row's encoded states, filled batch by batch
+            for batch in _length_sorted_batches([len(ids) for ids, _ in shard], batch_tokens) if hidden else []:
+                for j, (aux, final, argmax) in zip(batch, _run_batch(forward, target, [shard[j][0] for j in batch])):
+                    stored[j] = {**encode(aux.cpu(), final.cpu(), dtype), "target_argmax": argmax.cpu()}
+                bar.update(sum(len(shard[j][0]) for j in batch))
+            if not hidden:
+                bar.update(size)
+            buffer = [{"input_ids": ids, "loss_mask": mask, **st} for (ids, mask), st in zip(shard, stored)]
+            new_tokens += size
+            for b in buffer:
+                _digest_update(digest, b["input_ids"], b["loss_mask"])
+            _write_shard(out, manifest, buffer, digest.hexdigest(), prefix)
+            write_atomic(mpath, json.dumps(manifest, indent=1))
     manifest["complete"] = True
     write_atomic(mpath, json.dumps(manifest, indent=1))
     elapsed = time.perf_counter() - t0
@@ -210,6 +207,19 @@ def _feature_forward(target: Target):
         else:
             return lambda ids, attn: fwd(ids, fwd.new_cache(ids.shape[0], ids.shape[1]), compute_logits=False)
     return lambda ids, attn: target(ids.to(target.device), attention_mask=attn.to(target.device), compute_logits=False)
+
+
+def _length_sorted_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices into `lengths` in batches of similar lengths (rows x longest <= batch_tokens, at least one row): sorted
+    by length, so right padding costs ~10% instead of ~60% on chat data; the caller writes rows back in order."""
+    order = sorted(range(len(lengths)), key=lambda j: lengths[j])
+    batches, batch = [], []
+    for j in order:  # ascending: a row is the longest of its batch so far
+        if batch and (len(batch) + 1) * lengths[j] > batch_tokens:
+            batches.append(batch)
+            batch = []
+        batch.append(j)
+    return batches + [batch] if batch else batches
 
 
 def _run_batch(forward, target: Target, seqs: list[Tensor]) -> list[tuple[Tensor, Tensor, Tensor]]:

@@ -77,6 +77,25 @@ def test_features_recompute_target_logits_and_resume(tiny_target, tmp_path):
     assert torch.equal(ds2[5]["final_hidden"], ex["final_hidden"])
 
 
+def test_length_sorted_batches_change_no_feature(tiny_target, tmp_path):
+    from data.features import _length_sorted_batches
+
+    lengths = [5, 40, 7, 33, 12, 40, 3]
+    batches = _length_sorted_batches(lengths, 64)
+    assert sorted(j for b in batches for j in b) == list(range(7))  # every row once
+    assert all(len(b) * max(lengths[j] for j in b) <= 64 or len(b) == 1 for b in batches)
+    assert [lengths[j] for b in batches for j in b] == sorted(lengths)
+    seqs = _sequences(tiny_target.tokenizer)
+    extract_features(tiny_target, seqs, tmp_path / "one", shard_tokens=150, batch_tokens=1)  # a row per forward
+    extract_features(tiny_target, seqs, tmp_path / "many", shard_tokens=150, batch_tokens=4096)
+    one, many = FeatureDataset(tmp_path / "one"), FeatureDataset(tmp_path / "many")
+    for i in range(len(seqs)):  # rows in sequence order, the same numbers whatever the batch
+        a, b = one[i], many[i]
+        assert torch.equal(a["input_ids"], seqs[i][0]) and torch.equal(a["input_ids"], b["input_ids"])
+        torch.testing.assert_close(a["aux_hidden"], b["aux_hidden"], atol=1e-2, rtol=1e-2)
+        assert (a["target_argmax"] == b["target_argmax"]).float().mean() > 0.95
+
+
 def test_features_of_another_target_are_refused(tiny_target, tmp_path):
     from models.target import Target, tiny_random_llama
 
