@@ -249,8 +249,8 @@ def _load_parts(directory: Path, torch_dtype: torch.dtype, device: str, with_lay
             module, leaf = name.rsplit(".", 1)
             with safe_open(str(files[name]), framework="pt") as f:
                 weight = f.get_tensor(name).to(device=device, dtype=torch_dtype)
-            # frozen Parameters set directly: accelerate's set_module_tensor_to_device leaves a plain tensor once a
-            # process group exists, and transformers' tie_weights then fails on it
+            # frozen Parameters set directly: with an Accelerator in the process (2-process runs on SmolLM2),
+            # accelerate's set_module_tensor_to_device left a plain tensor and transformers' tie_weights failed on it
             setattr(model.get_submodule(module), leaf, torch.nn.Parameter(weight, requires_grad=False))
     if "lm_head.weight" not in files:  # tied embeddings: the LM head is the embedding
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -103,7 +103,7 @@ def split_holdout(dataset, holdout: int, fraction: float = 1.0):
                               "lower it or add data (data.max_records)")
     held = Subset(dataset, list(range(n - holdout, n))) if holdout > 0 else None
     kept = max(1, round((n - max(holdout, 0)) * fraction))
-    return (dataset if held is None and kept == n else Subset(dataset, list(range(kept)))), held
+    return (dataset if kept == n else Subset(dataset, list(range(kept)))), held
 
 
 def batch_indices(micro: int, batch_size: int, n: int, seed: int) -> list[int]:
