@@ -32,10 +32,12 @@ SHAPING = REGEN_SHAPING + ("overlong", "features", "feature_dtype")
 
 @dataclass
 class Workers:
-    """The processes sharing the data stage: this one's rank, how many, and a barrier (one process: no-op)."""
+    """The processes sharing a stage's work (the data stage, the τ table): this one's rank, how many, a barrier, and
+    gather (each process's list -> all of them concatenated in rank order, on every process). One process: no-ops."""
     rank: int = 0
     world: int = 1
     wait: Callable[[], None] = lambda: None
+    gather: Callable[[list], list] = lambda items: items
 
 
 def data_settings(d, fingerprint: dict, seed: int) -> dict:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from data.chat import prompt_ids
+from data.prepare import Workers
 from conf.schema import at_least, between, check_args
 from eval.plots import plot_tau_table
 from inference.threads import available_threads
@@ -102,11 +103,13 @@ def resolve_engine(engine: str, target) -> str:
 
 
 def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfig, max_new: int, seed: int = 0,
-            progress: bool = True, save_tokens: bool = False,
-            engine: str = "auto") -> tuple[dict[str, DecodeStats], list[dict]]:
+            progress: bool = True, save_tokens: bool = False, engine: str = "auto",
+            workers: Workers = Workers()) -> tuple[dict[str, DecodeStats], list[dict]]:
     """Run every prompt (all its turns) -> ({category: DecodeStats}, one record per turn in order); save_tokens
     keeps each turn's output ids in its record.
-    engine: 'runtime', 'reference' (chains only: the oracle), or 'auto' (see resolve_engine)."""
+    engine: 'runtime', 'reference' (chains only: the oracle), or 'auto' (see resolve_engine).
+    workers: several processes each answer every world-th prompt (seeds follow the prompt, not the process) and every
+    process returns the whole result, in prompt order: what one process returns."""
     from tqdm import tqdm
 
     runtime = None
@@ -114,23 +117,36 @@ def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfi
         from inference.runtime import Runtime
 
         runtime = Runtime(target, max_len=4096, batch_size=1)
+    mine = [(i, p) for i, p in enumerate(prompts) if i % workers.world == workers.rank]
+    done = [(i, _answer(runtime, target, source, prompt, i, k, sampling, max_new, seed, save_tokens))
+            for i, prompt in tqdm(mine, desc=f"acceptance {source.name} k={k}", file=sys.stderr, dynamic_ncols=True,
+                                  disable=not progress or workers.rank != 0)]
+    if workers.world > 1:
+        done = sorted(workers.gather(done), key=lambda x: x[0])
     categories: dict[str, DecodeStats] = {}
     turns: list[dict] = []
-    for i, prompt in enumerate(tqdm(prompts, desc=f"acceptance {source.name} k={k}", disable=not progress,
-                                    file=sys.stderr, dynamic_ncols=True)):
-        messages = []
-        for turn, user in enumerate(prompt["turns"]):
-            messages.append({"role": "user", "content": user})
-            ids = prompt_ids(target.tokenizer, messages)  # chat template + generation prompt
-            gen = generate_turn(runtime, target, source, ids, max_new, k, sampling, seed + 1000 * i + turn)
-            stats = categories.setdefault(prompt["category"], DecodeStats())
-            stats += gen.stats
-            output = gen.tokens[0]
-            turns.append({"question_id": prompt.get("question_id", i), "category": prompt["category"], "turn": turn,
-                          "tokens": len(output), "rounds": gen.stats.rounds, "tau": round(gen.stats.tau, 4),
-                          **({"output_ids": output} if save_tokens else {})})
-            messages.append({"role": "assistant", "content": target.tokenizer.decode(output, skip_special_tokens=True)})
+    for _, answered in done:
+        for record, stats in answered:
+            total = categories.setdefault(record["category"], DecodeStats())
+            total += stats
+            turns.append(record)
     return categories, turns
+
+
+def _answer(runtime, target, source, prompt: dict, i: int, k: int, sampling: SamplingConfig, max_new: int,
+            seed: int, save_tokens: bool) -> list[tuple[dict, DecodeStats]]:
+    """Prompt i's turns, each after the target's own answer to the one before: (record, stats) per turn."""
+    messages, answered = [], []
+    for turn, user in enumerate(prompt["turns"]):
+        messages.append({"role": "user", "content": user})
+        ids = prompt_ids(target.tokenizer, messages)  # chat template + generation prompt
+        gen = generate_turn(runtime, target, source, ids, max_new, k, sampling, seed + 1000 * i + turn)
+        output = gen.tokens[0]
+        answered.append(({"question_id": prompt.get("question_id", i), "category": prompt["category"], "turn": turn,
+                          "tokens": len(output), "rounds": gen.stats.rounds, "tau": round(gen.stats.tau, 4),
+                          **({"output_ids": output} if save_tokens else {})}, gen.stats))
+        messages.append({"role": "assistant", "content": target.tokenizer.decode(output, skip_special_tokens=True)})
+    return answered
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -158,8 +174,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def run(args: argparse.Namespace, target=None) -> dict:
-    """The benchmark; `target` (already loaded, e.g. by train.distill) is used when given."""
+def run(args: argparse.Namespace, target=None, workers: Workers = Workers()) -> dict:
+    """The benchmark; `target` (already loaded, e.g. by train.distill) is used when given; `workers` split the
+    prompts over processes (see measure)."""
     from inference.sources import build_source, source_layer_ids
     from models.target import load_target
 
@@ -173,7 +190,7 @@ def run(args: argparse.Namespace, target=None) -> dict:
                              dtype=args.dtype)
     source = build_source(args.source, target)
     categories, turns = measure(target, source, prompts, args.k, sampling, args.max_new, args.seed,
-                                not args.no_progress, args.save_tokens, args.engine)
+                                not args.no_progress, args.save_tokens, args.engine, workers)
     return {
         "benchmark": "acceptance",
         "source": args.source,

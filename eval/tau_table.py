@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from data.prepare import Workers
 from inference.sources import path_and_options
 
 
@@ -29,10 +30,12 @@ def source_label(spec: str) -> str:
     return f"{name}[{options}]" if options else name
 
 
-def evaluate(cfg, sources: list[tuple[str, str]], out: Path, target) -> list[dict]:
+def evaluate(cfg, sources: list[tuple[str, str]], out: Path, target, workers: Workers = Workers(),
+             threads: int | None = None) -> list[dict]:
     """τ of every (label, source) at every K and temperature on the eval prompts (never trained on) and, when
     eval.domain_prompts is set, on those too, with the target already loaded (one load for every row); one table,
-    one JSON per row under out/<prompt set>/. A fine-tune's rows pair head_before with head per prompt set, K and T:
+    one JSON per row under out/<prompt set>/. Several `workers` (processes, each with `threads` threads; default
+    runtime.threads) split every row's prompts and get the same rows; the first writes the files. A fine-tune's rows pair head_before with head per prompt set, K and T:
     the τ difference with a 95% bootstrap interval over questions (eval.compare_tau) goes in a second table."""
     from eval import acceptance
     from eval.compare_tau import tau_difference
@@ -40,6 +43,7 @@ def evaluate(cfg, sources: list[tuple[str, str]], out: Path, target) -> list[dic
     from eval.report import markdown_table, write_report
 
     e = cfg.eval
+    threads = cfg.runtime.threads if threads is None else threads
     suites = [(e.categories or Path(e.prompts).stem, e.prompts, e.categories, 0, e.limit)]
     if e.domain_prompts:
         suites.append((Path(e.domain_prompts).stem, e.domain_prompts, e.domain_categories, e.domain_skip,
@@ -54,18 +58,21 @@ def evaluate(cfg, sources: list[tuple[str, str]], out: Path, target) -> list[dic
                         "--prompts", prompts, "--source", source, "--k", str(k), "--temperature", str(temperature),
                         "--max-new", str(e.max_new), "--out", str(out / suite / f"{tag}.json"),
                         "--target", cfg.target.name, "--dtype", cfg.target.dtype, "--threads",
-                        str(cfg.runtime.threads), "--seed", str(cfg.train.seed), "--skip", str(skip),
+                        str(threads), "--seed", str(cfg.train.seed), "--skip", str(skip),
                         *(["--target-path", cfg.target.path] if cfg.target.path else []),
                         *(["--limit", str(limit)] if limit else []),
                         *(["--categories", categories] if categories else [])])
-                    results = acceptance.run(args, target)
-                    write_report(args.out, results, acceptance.table(results), f"{label}: {source}, k={k}, "
-                                                                                f"T={temperature:g}")
+                    results = acceptance.run(args, target, workers)
+                    if workers.rank == 0:
+                        write_report(args.out, results, acceptance.table(results),
+                                     f"{label}: {source}, k={k}, T={temperature:g}")
                     o = results["overall"]
                     rows.append({"prompts": suite, "source": label, "k": k, "T": temperature, "tau": o["tau"],
                                  "mean_draft_len": o["mean_draft_len"], "draft_ms": o["draft_ms_per_round"],
                                  "verify_ms": o["verify_ms_per_round"], "json": args.out,
                                  "acceptance": " ".join("-" if a is None else f"{a:.2f}" for a in o["acceptance"])})
+    if workers.rank != 0:
+        return rows
     md = markdown_table(rows, ["prompts", "source", "k", "T", "tau", "mean_draft_len", "draft_ms", "verify_ms",
                                "acceptance"])
     pairs = [(b, a) for b in rows for a in rows if b["source"] == "head_before" and a["source"] == "head"

@@ -149,9 +149,10 @@ def test_a_sharded_target_reads_its_rows_from_the_files_and_computes_what_the_wh
     assert ranks[0]["layer_params_here"] == ranks[1]["layer_params_here"]
 
 
-def test_two_processes_split_the_data_stage_and_merge_what_one_process_writes(tmp_path):
-    """Regeneration (batches round-robin over ranks) and feature extraction (a contiguous block per rank) in 2
-    processes give the records and features of 1 process: same ids, same text at T=0, same tokens."""
+def test_two_processes_split_the_data_stage_and_the_tau_table_and_merge_what_one_process_writes(tmp_path):
+    """Regeneration (batches round-robin over ranks), feature extraction (a contiguous block per rank) and the τ table
+    (prompts round-robin) in 2 processes give the records, features and τ rows of 1 process: same ids, same text at
+    T=0, same tokens, the same turns in the same order at T=0 and T=1 (seeds follow the prompt)."""
     from data.features import FeatureDataset
 
     runs = {}
@@ -159,7 +160,8 @@ def test_two_processes_split_the_data_stage_and_merge_what_one_process_writes(tm
         out = tmp_path / f"p{n}"
         extra = ["accelerate=ddp", "accelerate.num_processes=2"] if n == 2 else []
         r = subprocess.run([sys.executable, "-m", "train.distill", "+experiment=smoke", f"output_dir={out}",
-                            "data.max_records=20", "data.regen_batch_size=4", "train.stages=[]", "eval.limit=0",
+                            "data.max_records=20", "data.regen_batch_size=4", "train.stages=[]", "eval.limit=3",
+                            "eval.temperatures=[0.0,1.0]", "eval.sources=[prompt_lookup]",
                             "runtime.threads=2", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         runs[n] = out
@@ -173,6 +175,13 @@ def test_two_processes_split_the_data_stage_and_merge_what_one_process_writes(tm
         x, y = a[i], b[i]
         assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
         torch.testing.assert_close(y["aux_hidden"], x["aux_hidden"], atol=0.02, rtol=0.01)  # bf16, other packing
+    rows = {n: sorted((runs[n] / "eval").glob("*/prompt_lookup_k*.json")) for n in (1, 2)}
+    assert [p.name for p in rows[1]] == [p.name for p in rows[2]] == ["prompt_lookup_k4_T0.json",
+                                                                      "prompt_lookup_k4_T1.json"]
+    for a, b in zip(rows[1], rows[2]):
+        x, y = json.loads(a.read_text()), json.loads(b.read_text())
+        assert x["turns"] == y["turns"] and len(x["turns"]) == 6  # 3 two-turn MT-bench prompts
+        assert x["overall"]["tau"] == y["overall"]["tau"] and x["overall"]["requests"] == 6
 
 
 def _compose(*overrides):

@@ -36,7 +36,10 @@ def run(cfg: DictConfig) -> dict:
 
     The target is loaded onto this rank's device only after the process group exists, and only as much of it as the
     work needs: its embedding, norm and LM head to train from offline features; all of it for the data stage, online
-    features, RL and evaluation, with decoder layers FSDP2-sharded over the ranks under accelerate=fsdp / zero3."""
+    features, RL and evaluation, with decoder layers FSDP2-sharded over the ranks under accelerate=fsdp / zero3. The data
+    stage and the τ table split their work over the processes."""
+    from accelerate.utils import gather_object
+
     from data.prepare import Workers, data_settings, prepare_data, ready_report
     from eval.tau_table import evaluate, log_tau, source_label
     from inference.threads import available_threads
@@ -48,6 +51,7 @@ def run(cfg: DictConfig) -> dict:
     cfg.train.mixed_precision = resolve_mixed_precision(cfg.train.mixed_precision, cfg.runtime.device)
     accelerator = make_accelerator(cfg.accelerate, cfg.train, cfg.runtime.device)  # the process group exists from here
     main, world = accelerator.is_main_process, accelerator.num_processes
+    workers = Workers(accelerator.process_index, world, accelerator.wait_for_everyone, gather_object)
     # the machine's cores, shared by its processes (runtime.threads=0: the ones nothing else keeps busy)
     threads = max(1, available_threads(cfg.runtime.threads) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(threads)
@@ -76,9 +80,7 @@ def run(cfg: DictConfig) -> dict:
                                   "data.regen_backend=openai (a vLLM / SGLang server at data.regen_server) or prepare "
                                   "the data with accelerate=ddp first")
         target = load()
-        report["data"] = prepare_data(target, data_dir, d, cfg.train.seed,
-                                      Workers(accelerator.process_index, world, accelerator.wait_for_everyone),
-                                      regenerated)
+        report["data"] = prepare_data(target, data_dir, d, cfg.train.seed, workers, regenerated)
     elif main:
         print(f"[draftheads] data: ready in {data_dir} (same settings: {report['data']['settings']['sha256']})")
     if main:
@@ -97,14 +99,15 @@ def run(cfg: DictConfig) -> dict:
         sources.append(("head", f"head:{report['head']}"))
         if cfg.eval.head_tree and family(read_draft_config(report["head"])["family"]).tree:
             sources.append(("head[tree=1]", f"head:{report['head']},tree=1"))
-    if main:
-        if cfg.eval.limit != 0 and sources:
-            if sharded:
+    if cfg.eval.limit != 0 and sources:
+        if sharded:
+            if main:
                 print("[draftheads] eval: skipped (the target is sharded; measure the exported head with a serving "
                       "engine, or rerun the τ table with eval.acceptance on one device)")
-            else:
-                report["eval"] = evaluate(cfg, sources, out / "eval", target if target.parts == "all" else
-                                          load(shard=False))
+        else:  # every process answers its share of the prompts
+            report["eval"] = evaluate(cfg, sources, out / "eval", target if target.parts == "all" else
+                                      load(shard=False), workers, threads)
+    if main:
         (out / "run_report.json").write_text(json.dumps(report, indent=1))
         if wandb_run is not None:  # the sweep's metric, logged before the run closes
             log_tau(wandb_run, report.get("eval", []))
