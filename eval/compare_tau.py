@@ -1,6 +1,6 @@
 """Before/after τ of two `eval.acceptance` runs on the same prompts, with a bootstrap over questions.
 
-    python -m eval.compare_tau BEFORE.json AFTER.json [BEFORE2.json AFTER2.json ...]
+    python -m eval.compare_tau BEFORE.json AFTER.json [BEFORE2.json AFTER2.json ...] [--by-category]
 
 Each pair must hold the same (question, turn) records (run with the same --prompts/--categories/--limit). τ is the
 aggregate (tokens / rounds) of each run; the 95% interval resamples questions (1000 draws, seed 0) and recomputes the
@@ -20,20 +20,26 @@ import torch
 from models.errors import DraftheadsError, cli
 
 
-def turn_counts(path: str) -> dict[tuple, tuple[int, int]]:
-    """(question_id, turn) -> (tokens, rounds) of one acceptance JSON."""
+def turn_counts(path: str, category: str | None = None) -> dict[tuple, tuple[int, int]]:
+    """(question_id, turn) -> (tokens, rounds) of one acceptance JSON (of one category's questions)."""
     try:
         turns = json.load(open(path))["turns"]
     except (OSError, ValueError, KeyError) as e:
         raise DraftheadsError(f"'{path}' is not an eval.acceptance results JSON ({e}); pass the --out file of a run") from None
-    return {(r["question_id"], r["turn"]): (r["tokens"], r["rounds"]) for r in turns}
+    return {(r["question_id"], r["turn"]): (r["tokens"], r["rounds"]) for r in turns
+            if category is None or r["category"] == category}
 
 
-def tau_difference(pairs: list[tuple[str, str]], draws: int = 1000, seed: int = 0) -> dict:
+def categories_of(path: str) -> list[str]:
+    """The categories of one acceptance JSON, in the order its turns come."""
+    return list(dict.fromkeys(r["category"] for r in json.load(open(path))["turns"]))
+
+
+def tau_difference(pairs: list[tuple[str, str]], draws: int = 1000, seed: int = 0, category: str | None = None) -> dict:
     rows_b, rows_a, question = [], [], []
     qids: dict = {}
     for before_path, after_path in pairs:
-        before, after = turn_counts(before_path), turn_counts(after_path)
+        before, after = turn_counts(before_path, category), turn_counts(after_path, category)
         if set(before) != set(after):
             raise DraftheadsError(f"'{before_path}' and '{after_path}' cover different prompts/turns; rerun both with "
                                   "the same --prompts, --categories and --limit")
@@ -61,12 +67,15 @@ def tau_difference(pairs: list[tuple[str, str]], draws: int = 1000, seed: int = 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.compare_tau", description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="BEFORE.json AFTER.json, repeated")
+    ap.add_argument("--by-category", action="store_true", help="also one line per category of the prompts")
     args = ap.parse_args(argv)
     if len(args.runs) % 2:
         raise DraftheadsError("give results JSONs in BEFORE AFTER pairs")
     pairs = list(zip(args.runs[::2], args.runs[1::2]))
     for pair in pairs if len(pairs) > 1 else []:
         print(json.dumps({"before": pair[0], "after": pair[1], **tau_difference([pair])}))
+    for category in categories_of(pairs[0][0]) if args.by_category else []:
+        print(json.dumps({"category": category, **tau_difference(pairs, category=category)}))
     print(json.dumps({"bench": "compare_tau", **tau_difference(pairs)}))
     return 0
 

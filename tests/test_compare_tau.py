@@ -8,8 +8,10 @@ from eval.compare_tau import main, tau_difference
 from models.errors import DraftheadsError
 
 
-def write(path, counts):
-    turns = [{"question_id": q, "turn": t, "tokens": tok, "rounds": r} for (q, t), (tok, r) in counts.items()]
+def write(path, counts, categories=None):
+    turns = [{"question_id": q, "turn": t, "tokens": tok, "rounds": r, **({"category": categories[q]} if categories
+                                                                          else {})}
+             for (q, t), (tok, r) in counts.items()]
     path.write_text(json.dumps({"turns": turns}))
     return str(path)
 
@@ -25,6 +27,19 @@ def test_difference_and_interval(tmp_path, capsys):
     assert main([before, after, before, after]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3 and json.loads(lines[-1])["pairs"] == 2 and json.loads(lines[-1])["turns"] == 8
+
+
+def test_by_category_each_category_on_its_own_questions(tmp_path, capsys):
+    cats = {1: "math", 2: "coding", 3: "math"}
+    before = write(tmp_path / "b.json", {(1, 0): (60, 50), (2, 0): (30, 30), (3, 0): (64, 40)}, cats)
+    after = write(tmp_path / "a.json", {(1, 0): (60, 40), (2, 0): (30, 15), (3, 0): (64, 40)}, cats)
+    assert main([before, after, "--by-category"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [x.get("category") for x in lines] == ["math", "coding", None]
+    math, coding, pooled = lines
+    assert math["questions"] == 2 and math["diff"] == pytest.approx(124 / 80 - 124 / 90, abs=1e-4)
+    assert coding["diff"] == pytest.approx(1.0, abs=1e-4) and coding["ci95"] == [1.0, 1.0]
+    assert pooled["questions"] == 3
 
 
 def test_mismatched_runs_are_refused(tmp_path, capsys):
