@@ -103,6 +103,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     holdout_sequences: int = 0  # feature sequences held out (from the end) for validation; 0 = none
     data_fraction: float = 1.0  # train on the first fraction of the other sequences (a data curve: same held-out set)
+    length_grouped: bool = False  # micro-batches of similar lengths (less right padding), every epoch still a permutation
     eval_every: int = 100  # stage 1: validate every N steps; the head with the lowest validation loss is kept
     log_every: int = 10
     seed: int = 0

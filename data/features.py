@@ -342,6 +342,14 @@ class FeatureDataset:
     def __getitem__(self, i: int) -> dict:
         return self._read(i, None)
 
+    def lengths(self) -> list[int]:
+        """Tokens of every sequence (from the shards' offsets alone)."""
+        out = []
+        for s in range(len(self.manifest["shards"])):
+            offsets = self._shard(s)[1]
+            out += (offsets[1:] - offsets[:-1]).tolist()
+        return out
+
     def tokens(self, i: int) -> dict:
         """input_ids and loss_mask of sequence i only (counting tokens reads no hidden states)."""
         return self._read(i, ("input_ids", "loss_mask"))

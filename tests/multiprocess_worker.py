@@ -56,8 +56,8 @@ def main(out: str, grad_accum: int, strategy: str, online: bool) -> None:
     target = Target(model, tok, "tiny-random-llama", sharded=sharded)
     seen, real = [], trainer.batch_indices
 
-    def recording(micro, batch_size, n, seed):
-        ids = real(micro, batch_size, n, seed)
+    def recording(micro, batch_size, n, seed, lengths=None):
+        ids = real(micro, batch_size, n, seed, lengths)
         seen.append({"micro": micro, "ids": ids})
         return ids
 

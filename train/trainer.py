@@ -11,6 +11,7 @@ multi-process run reads exactly the batches of an uninterrupted single-process o
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -63,6 +64,10 @@ class Subset:
     def __getitem__(self, i: int) -> dict:
         return self.dataset[self.indices[i]]
 
+    def lengths(self) -> list[int]:
+        every = sequence_lengths(self.dataset)
+        return [every[i] for i in self.indices]
+
 
 class Concat:
     """Two feature sets as one (the domain's training split, then the replayed general sequences)."""
@@ -75,6 +80,9 @@ class Concat:
 
     def __getitem__(self, i: int) -> dict:
         return self.first[i] if i < len(self.first) else self.second[i - len(self.first)]
+
+    def lengths(self) -> list[int]:
+        return [*sequence_lengths(self.first), *sequence_lengths(self.second)]
 
 
 def with_replay(dataset, path: str | None, fraction: float, target):
@@ -106,14 +114,44 @@ def split_holdout(dataset, holdout: int, fraction: float = 1.0):
     return (dataset if kept == n else Subset(dataset, list(range(kept)))), held
 
 
-def batch_indices(micro: int, batch_size: int, n: int, seed: int) -> list[int]:
-    """Sequence ids of micro-batch `micro`: an endless stream of seeded per-epoch permutations."""
+LENGTH_GROUP = 64  # train.length_grouped: micro-batches per length-sorted group
+
+
+def batch_indices(micro: int, batch_size: int, n: int, seed: int, lengths: tuple[int, ...] | None = None) -> list[int]:
+    """Sequence ids of micro-batch `micro`: an endless stream of seeded per-epoch permutations. With `lengths`
+    (train.length_grouped) each epoch's permutation is cut into groups of LENGTH_GROUP micro-batches, each sorted by
+    length and its micro-batches shuffled: every epoch still reads every sequence once, and a micro-batch holds
+    sequences of similar lengths (on chat data, right padding falls from ~45% of the real tokens to a few %)."""
     out = []
     for pos in range(micro * batch_size, (micro + 1) * batch_size):
         epoch, i = divmod(pos, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
-        out.append(int(perm[i]))
+        out.append(_epoch_order(n, seed, epoch, batch_size, lengths)[i])
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(n: int, seed: int, epoch: int, batch_size: int, lengths: tuple[int, ...] | None) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 7919 + epoch)
+    order = torch.randperm(n, generator=g)
+    if lengths is None:
+        return order.tolist()
+    # groups start where micro-batches do in the endless stream, so a micro-batch never spans two groups
+    first = -epoch * n % batch_size
+    cuts = [0, first, *range(first + LENGTH_GROUP * batch_size, n, LENGTH_GROUP * batch_size), n]
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        group = order[a:b]
+        group = group[torch.tensor([lengths[i] for i in group.tolist()]).argsort(descending=True, stable=True)]
+        batches = list(group.split(batch_size))
+        out += [int(i) for j in torch.randperm(len(batches), generator=g).tolist() for i in batches[j]]
+    return out
+
+
+def sequence_lengths(dataset) -> tuple[int, ...]:
+    """Tokens of every sequence, without reading hidden states."""
+    if hasattr(dataset, "lengths"):
+        return tuple(dataset.lengths())
+    return tuple(len(dataset[i]["input_ids"]) for i in range(len(dataset)))
 
 
 def collate(items: list[dict], device) -> dict:
@@ -192,10 +230,11 @@ def soft_label_loss(target, tc, k: int, family_name: str, device, fill=None):
 def soft_label_step_fn(target, dataset, tc, k: int, family_name: str, device, fill=None):
     """The loop's step function: micro-batch `micro` of the training split (batch_indices)."""
     loss_on = soft_label_loss(target, tc, k, family_name, device, fill)
+    lengths = sequence_lengths(dataset) if tc.length_grouped else None
 
     def step_fn(model, micro: int, temperature: float):
         t0 = time.perf_counter()
-        items = [dataset[i] for i in batch_indices(micro, tc.batch_size, len(dataset), tc.seed)]
+        items = [dataset[i] for i in batch_indices(micro, tc.batch_size, len(dataset), tc.seed, lengths)]
         data_s = time.perf_counter() - t0
         loss, stats = loss_on(model, items, micro, temperature)
         return loss, {**stats, "data_s": data_s}
