@@ -7,6 +7,7 @@ renamed over the old one: a reader sees the old file or the new one, never a mix
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 from models.errors import DraftheadsError
@@ -26,7 +27,7 @@ def check_writable(path: str | Path, name: str, directory: bool = False) -> None
     where = path if directory else path.parent
     try:
         where.mkdir(parents=True, exist_ok=True)
-        probe = where / f".{path.name}.write_probe"
+        probe = where / f".{path.name}.{os.getpid()}.{threading.get_ident()}.write_probe"  # ranks probe at once
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:

@@ -106,3 +106,27 @@ def test_a_damaged_best_marker_counts_as_no_best(tmp_path):
     assert _read_best(tmp_path) is None  # the weights it marks are missing
     (tmp_path / "best" / "model.safetensors").write_bytes(b"")
     assert _read_best(tmp_path) == {"step": 4, "val_loss": 1.5}
+
+
+def test_processes_checking_one_output_path_at_once_do_not_trip_each_other(tmp_path):
+    """Every rank checks --out before the τ table: the write probes of concurrent checks must not collide (one
+    process deleting the other's probe made a rank exit with 'cannot be written')."""
+    import threading
+
+    from models.files import check_writable
+
+    errors = []
+
+    def check():
+        try:
+            for _ in range(300):
+                check_writable(tmp_path / "eval" / "row.json", "--out")
+        except Exception as e:  # collected for the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=check) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and list((tmp_path / "eval").iterdir()) == []
