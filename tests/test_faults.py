@@ -10,6 +10,7 @@ import pytest
 
 from data.regenerate import regenerate
 from eval.probe_table import mount_tmpfs
+from models.errors import DraftheadsError
 from train.loop import RunLog
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,3 +131,21 @@ def test_processes_checking_one_output_path_at_once_do_not_trip_each_other(tmp_p
     for t in threads:
         t.join()
     assert errors == [] and list((tmp_path / "eval").iterdir()) == []
+
+
+def test_a_deepspeed_build_lock_left_by_a_killed_run_is_named_instead_of_hanging(tmp_path):
+    """torch's JIT extension loader waits forever on a lock a killed build left (seen: every zero2/zero3 run hung
+    after an OOM kill); an old lock is an error naming the file, a fresh one (a build in progress) is not."""
+    import os
+    import time
+
+    from train.distributed import check_extension_locks
+
+    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    check_extension_locks(str(tmp_path))  # a build in progress
+    old = time.time() - 20 * 60
+    os.utime(lock, (old, old))
+    with pytest.raises(DraftheadsError, match=r"deepspeed_shm_comm/lock' is 20 min old.*delete it and rerun"):
+        check_extension_locks(str(tmp_path))

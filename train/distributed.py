@@ -156,6 +156,7 @@ def _deepspeed_plugin(ac, tc):
     except ImportError:
         raise DraftheadsError(f"accelerate.strategy={ac.strategy} needs DeepSpeed: pip install -e '.[deepspeed]' "
                               "(or pick accelerate=ddp / fsdp)") from None
+    check_extension_locks()
     offload = "cpu" if ac.offload else "none"
     plugin = DeepSpeedPlugin(zero_stage=3 if ac.strategy == "zero3" else 2, gradient_accumulation_steps=tc.grad_accum,
                              gradient_clipping=tc.max_grad_norm, offload_optimizer_device=offload,
@@ -184,3 +185,20 @@ def full_parameters(model):
             yield
         return
     yield
+
+
+STALE_LOCK_MINUTES = 10  # a JIT build of DeepSpeed's ops takes about a minute on 2 cores
+
+
+def check_extension_locks(root: str | None = None) -> None:
+    """DeepSpeed builds its ops with torch's JIT extension loader, which waits forever on a build directory's `lock`
+    file; a process killed mid-build (kill -9, the OOM killer) leaves it behind and every later run hangs silently.
+    A lock older than STALE_LOCK_MINUTES is an error naming the file (delete it if no build is running)."""
+    import time
+
+    base = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    for lock in sorted(base.glob("**/lock")) if base.is_dir() else []:
+        minutes = (time.time() - lock.stat().st_mtime) / 60
+        if minutes > STALE_LOCK_MINUTES:
+            raise DraftheadsError(f"'{lock}' is {minutes:.0f} min old: a DeepSpeed op build was killed and every "
+                                  f"run would wait on it forever. If no other build is running, delete it and rerun")
