@@ -96,9 +96,10 @@ def run(cfg: DictConfig) -> dict:
             target = load("head_inputs")  # offline: free the decoder layers before training
         report["head"] = str(train_draft(cfg, target, data_dir / "features", out, accelerator=accelerator,
                                          wandb_run=wandb_run))
-        sources.append(("head", f"head:{report['head']}"))
+        trained = [("head", f"head:{report['head']}")]
         if cfg.eval.head_tree and family(read_draft_config(report["head"])["family"]).tree:
-            sources.append(("head[tree=1]", f"head:{report['head']},tree=1"))
+            trained.append(("head[tree=1]", f"head:{report['head']},tree=1"))
+        sources = trained + sources  # the trained head's rows first: a table cut short still has them
     if cfg.eval.limit != 0 and sources:
         if sharded:
             if main:
