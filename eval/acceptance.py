@@ -121,8 +121,7 @@ def measure(target, source, prompts: list[dict], k: int, sampling: SamplingConfi
     done = [(i, _answer(runtime, target, source, prompt, i, k, sampling, max_new, seed, save_tokens))
             for i, prompt in tqdm(mine, desc=f"acceptance {source.name} k={k}", file=sys.stderr, dynamic_ncols=True,
                                   disable=not progress or workers.rank != 0)]
-    if workers.world > 1:
-        done = sorted(workers.gather(done), key=lambda x: x[0])
+    done = sorted(workers.gather(done), key=lambda x: x[0])  # one process: its own answers, already in order
     categories: dict[str, DecodeStats] = {}
     turns: list[dict] = []
     for _, answered in done:

@@ -35,8 +35,9 @@ def evaluate(cfg, sources: list[tuple[str, str]], out: Path, target, workers: Wo
     """τ of every (label, source) at every K and temperature on the eval prompts (never trained on) and, when
     eval.domain_prompts is set, on those too, with the target already loaded (one load for every row); one table,
     one JSON per row under out/<prompt set>/. Several `workers` (processes, each with `threads` threads; default
-    runtime.threads) split every row's prompts and get the same rows; the first writes the files. A fine-tune's rows pair head_before with head per prompt set, K and T:
-    the τ difference with a 95% bootstrap interval over questions (eval.compare_tau) goes in a second table."""
+    runtime.threads) split every row's prompts and get the same rows; the first writes the files. A fine-tune's rows
+    pair head_before with head per prompt set, K and T: the τ difference with a 95% bootstrap interval over questions
+    (eval.compare_tau) goes in a second table."""
     from eval import acceptance
     from eval.compare_tau import tau_difference
     from eval.plots import plot_tau_table
