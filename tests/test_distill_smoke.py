@@ -20,7 +20,7 @@ def test_smoke_experiment_runs_end_to_end_and_resumes(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads((tmp_path / "run_report.json").read_text())
     assert report["data"]["features"]["tokens"] > 0 and (tmp_path / "head" / "config.json").is_file()
-    assert [row["source"] for row in report["eval"]] == ["prompt_lookup", "head", "head[tree=1]"]
+    assert [row["source"] for row in report["eval"]] == ["head", "head[tree=1]", "prompt_lookup"]  # the head first
     assert all(1.0 <= row["tau"] <= 5.0 for row in report["eval"])
     regenerated = (tmp_path / "data" / "regenerated.jsonl").read_text()
 
