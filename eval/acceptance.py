@@ -16,7 +16,9 @@ Writes JSON + a Markdown table (.md next to it), prints the table, then ONE JSON
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -202,11 +204,39 @@ def run(args: argparse.Namespace, target=None, workers: Workers = Workers()) -> 
         "seed": args.seed,
         "engine": resolve_engine(args.engine, target),
         "target": target.fingerprint,
+        "request": request(args),
         "overall": category_summary(sum(categories.values(), DecodeStats(k=args.k)), turns),
         "categories": {name: category_summary(stats, [t for t in turns if t["category"] == name])
                        for name, stats in categories.items()},
         "turns": turns,
     }
+
+
+def request(args: argparse.Namespace) -> dict:
+    """What a measurement depends on beyond the target: its settings and the files its source and prompts read (every
+    file under a path named in --source or --prompts: its sha256, or size and modification time over 64 MiB, e.g. a
+    large draft file). A saved result with the same request and target is the same measurement."""
+    keys = ("source", "prompts", "categories", "limit", "skip", "k", "temperature", "top_p", "top_k", "max_new", "seed",
+            "dtype", "engine", "target", "target_path")
+    named = {part for spec in (args.source, args.prompts) for part in re.split(r"[:+,=]", spec) if part}
+    files = {}
+    for path in sorted(Path(p) for p in named if Path(p).exists()):
+        for f in sorted([path] if path.is_file() else path.rglob("*")):
+            if f.is_file():
+                size = f.stat().st_size
+                files[str(f)] = (hashlib.sha256(f.read_bytes()).hexdigest() if size <= 1 << 26
+                                 else [size, f.stat().st_mtime_ns])
+    return {**{k: getattr(args, k) for k in keys}, "files": files}
+
+
+def saved_result(args: argparse.Namespace, target) -> dict | None:
+    """The result already at --out when it is this request on this target (a rerun of the τ table skips it)."""
+    try:
+        saved = json.loads(Path(args.out).read_text())
+    except (OSError, ValueError):
+        return None
+    same = saved.get("request") == request(args) and saved.get("target") == target.fingerprint
+    return saved if same else None
 
 
 def table(results: dict) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from models.files import write_atomic
+
 
 def format_cell(value, digits: int = 3) -> str:
     if value is None:
@@ -33,9 +35,9 @@ def write_report(out: str | Path, results: dict, markdown: str, title: str | Non
     """Write results to `out` (JSON) and the table to the same path with a .md suffix -> (json path, md path)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
     md = out.with_suffix(".md")
-    md.write_text((f"# {title}\n\n" if title else "") + markdown)
+    write_atomic(md, (f"# {title}\n\n" if title else "") + markdown)
+    write_atomic(out, json.dumps(results, indent=2) + "\n")  # last: a JSON on disk has its table beside it
     return out, md
 
 

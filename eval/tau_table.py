@@ -63,10 +63,14 @@ def evaluate(cfg, sources: list[tuple[str, str]], out: Path, target, workers: Wo
                         *(["--target-path", cfg.target.path] if cfg.target.path else []),
                         *(["--limit", str(limit)] if limit else []),
                         *(["--categories", categories] if categories else [])])
-                    results = acceptance.run(args, target, workers)
-                    if workers.rank == 0:
-                        write_report(args.out, results, acceptance.table(results),
-                                     f"{label}: {source}, k={k}, T={temperature:g}")
+                    results = acceptance.saved_result(args, target)  # a rerun (e.g. after a kill) keeps finished rows
+                    if results is not None:
+                        print(f"[draftheads] tau {label} k={k} T={temperature:g}: measured before ({args.out})")
+                    else:
+                        results = acceptance.run(args, target, workers)
+                        if workers.rank == 0:
+                            write_report(args.out, results, acceptance.table(results),
+                                         f"{label}: {source}, k={k}, T={temperature:g}")
                     o = results["overall"]
                     rows.append({"prompts": suite, "source": label, "k": k, "T": temperature, "tau": o["tau"],
                                  "mean_draft_len": o["mean_draft_len"], "draft_ms": o["draft_ms_per_round"],

@@ -23,10 +23,14 @@ def test_smoke_experiment_runs_end_to_end_and_resumes(tmp_path):
     assert [row["source"] for row in report["eval"]] == ["head", "head[tree=1]", "prompt_lookup"]  # the head first
     assert all(1.0 <= row["tau"] <= 5.0 for row in report["eval"])
     regenerated = (tmp_path / "data" / "regenerated.jsonl").read_text()
+    rows = {p: p.read_bytes() for p in (tmp_path / "eval").glob("*/*.json")}
+    assert len(rows) == 3
 
-    again = _run(tmp_path)  # everything is on disk with the same settings: the data stage is skipped
+    again = _run(tmp_path)  # everything is on disk with the same settings: the data stage is skipped ...
     assert again.returncode == 0, again.stderr[-2000:]
     assert "[draftheads] data: ready in" in again.stdout
+    assert again.stdout.count("measured before") == 3  # ... and so is every τ row (same request, same head files)
+    assert {p: p.read_bytes() for p in rows} == rows
     assert (tmp_path / "data" / "regenerated.jsonl").read_text() == regenerated
     more = _run(tmp_path, "data.max_records=10")  # a setting that shapes the data: the stage runs and extends ...
     assert more.returncode == 2 and "Traceback" not in more.stderr  # ... and the stage-1 head no longer matches it
@@ -34,6 +38,7 @@ def test_smoke_experiment_runs_end_to_end_and_resumes(tmp_path):
     more = _run(tmp_path, "data.max_records=10", "train.resume=false")
     assert more.returncode == 0, more.stderr[-2000:]
     report3 = json.loads((tmp_path / "run_report.json").read_text())
+    assert more.stdout.count("measured before") == 1 and "prompt_lookup k=4 T=0: measured before" in more.stdout
     assert report3["data"]["conversations"] == 10 and report3["data"]["features"]["new_tokens"] > 0
     assert (tmp_path / "data" / "regenerated.jsonl").read_text().startswith(regenerated)
     fewer = _run(tmp_path, "data.max_records=8")  # lowered: never served by the 10-record features in silence
