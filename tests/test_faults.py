@@ -109,28 +109,34 @@ def test_a_damaged_best_marker_counts_as_no_best(tmp_path):
     assert _read_best(tmp_path) == {"step": 4, "val_loss": 1.5}
 
 
-def test_processes_checking_one_output_path_at_once_do_not_trip_each_other(tmp_path):
+@pytest.mark.parametrize("call", ["check_writable", "write_atomic"])
+def test_processes_checking_or_writing_one_path_at_once_do_not_trip_each_other(tmp_path, call):
     """Every rank checks --out before the τ table: the write probes of concurrent checks must not collide (one
-    process deleting the other's probe made a rank exit with 'cannot be written')."""
+    process deleting the other's probe made a rank exit with 'cannot be written'). Two writers of one progress file
+    never share a temporary name (the second rename found nothing to rename)."""
     import threading
 
-    from models.files import check_writable
+    from models.files import check_writable, write_atomic
 
-    errors = []
+    out, errors = tmp_path / "eval" / "row.json", []
+    out.parent.mkdir()
+    act = {"check_writable": lambda i: check_writable(out, "--out"), "write_atomic": lambda i: write_atomic(out, f"{i}")}
 
-    def check():
+    def hammer():
         try:
-            for _ in range(300):
-                check_writable(tmp_path / "eval" / "row.json", "--out")
+            for i in range(300):
+                act[call](i)
         except Exception as e:  # collected for the assertion below
             errors.append(e)
 
-    threads = [threading.Thread(target=check) for _ in range(4)]
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert errors == [] and list((tmp_path / "eval").iterdir()) == []
+    assert errors == []
+    left = [p.name for p in out.parent.iterdir()]  # no probe or temporary file behind
+    assert left == [] if call == "check_writable" else left == ["row.json"] and out.read_text() == "299"
 
 
 def test_a_deepspeed_build_lock_left_by_a_killed_run_is_named_instead_of_hanging(tmp_path):
