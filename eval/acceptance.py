@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -214,13 +213,14 @@ def run(args: argparse.Namespace, target=None, workers: Workers = Workers()) -> 
 
 def request(args: argparse.Namespace) -> dict:
     """What a measurement depends on beyond the target: its settings and the files its source and prompts read (every
-    file under a path named in --source or --prompts: its sha256, or size and modification time over 64 MiB, e.g. a
-    large draft file). A saved result with the same request and target is the same measurement."""
+    file under a head's directory, a draft file, the prompts file: its sha256, or size and modification time over
+    64 MiB, e.g. a large draft file). A saved result with the same request and target is the same measurement."""
     keys = ("source", "prompts", "categories", "limit", "skip", "k", "temperature", "top_p", "top_k", "max_new", "seed",
             "dtype", "engine", "target", "target_path")
-    named = {part for spec in (args.source, args.prompts) for part in re.split(r"[:+,=]", spec) if part}
+    from inference.sources import source_paths
+
     files = {}
-    for path in sorted(Path(p) for p in named if Path(p).exists()):
+    for path in sorted(Path(p) for p in {*source_paths(args.source), args.prompts} if Path(p).exists()):
         for f in sorted([path] if path.is_file() else path.rglob("*")):
             if f.is_file():
                 size = f.stat().st_size

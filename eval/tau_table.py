@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from data.prepare import Workers
-from inference.sources import path_and_options
+from inference.sources import PATH_SOURCES, path_and_options
 
 
 def log_tau(wandb_run, rows: list[dict]) -> None:
@@ -26,7 +26,7 @@ def log_tau(wandb_run, rows: list[dict]) -> None:
 def source_label(spec: str) -> str:
     """'head:DIR,tree=1' -> 'head[tree=1]': the source's name and options, without its path."""
     name, _, arg = spec.partition(":")
-    options = path_and_options(arg)[1] if name in ("head", "draft_file") else arg
+    options = path_and_options(arg)[1] if name in PATH_SOURCES else arg
     return f"{name}[{options}]" if options else name
 
 

@@ -311,7 +311,7 @@ def test_bfloat16_speculative_equals_plain_runtime(tiny_bf16, tree):
 
 
 def test_first_source_falls_back_and_stays_lossless(tiny_target):
-    from inference.sources import build_source, source_layer_ids
+    from inference.sources import build_source, source_layer_ids, source_paths
     from inference.sources.first import FirstSource
     from inference.sources.prompt_lookup import PromptLookup
 
@@ -324,6 +324,8 @@ def test_first_source_falls_back_and_stays_lossless(tiny_target):
     assert g.tokens == ref and all(len(h.feature_rows) > 0 for h in heads)  # the fallback drafted some rounds
     assert isinstance(build_source("first:prompt_lookup+prompt_lookup:min_ngram=1", tiny_target), FirstSource)
     assert source_layer_ids("first:prompt_lookup+prompt_lookup") is None
+    spec = "first:prompt_lookup:max_ngram=4+draft_file:a/b.dfl+head:h1,tree=1+head:h2"  # what a τ row hashes
+    assert source_paths(spec) == ["a/b.dfl", "h1", "h2"]
     with pytest.raises(DraftheadsError, match="two or more sources"):
         build_source("first:prompt_lookup", tiny_target)
 

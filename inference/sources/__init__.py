@@ -64,19 +64,33 @@ def register_source(name: str, factory: Factory | str) -> None:
     SOURCES[name] = factory
 
 
-def source_layer_ids(spec: str) -> list[int] | None:
-    """The target layers a source reads features from: a head's recorded layer ids ('head:DIR'), else None (the
-    default). Load the target with these, or a head trained on other layers is refused."""
+PATH_SOURCES = ("head", "draft_file")  # sources whose argument starts with a path: 'PATH,key=value,...'
+
+
+def leaf_specs(spec: str) -> list[tuple[str, str]]:
+    """(name, arg) of every single source in a spec: the parts of first:/select:, or the spec itself."""
     name, _, arg = spec.partition(":")
     if name in ("first", "select"):
         from inference.sources.first import parts
 
-        return next(filter(None, map(source_layer_ids, parts(arg, name))), None)
-    if name != "head" or not arg:
+        return [leaf_specs(part)[0] for part in parts(arg, name)]  # parts are single sources ('+' splits them)
+    return [(name, arg)]
+
+
+def source_paths(spec: str) -> list[str]:
+    """The files and directories a source reads (a head's directory, a draft file), in every part of a combination."""
+    return [path_and_options(arg)[0] for name, arg in leaf_specs(spec) if name in PATH_SOURCES and arg]
+
+
+def source_layer_ids(spec: str) -> list[int] | None:
+    """The target layers a source reads features from: the first head's recorded layer ids ('head:DIR'), else None
+    (the default). Load the target with these, or a head trained on other layers is refused."""
+    heads = [arg for name, arg in leaf_specs(spec) if name == "head" and arg]
+    if not heads:
         return None
     from models.checkpoint import read_draft_config
 
-    return list(read_draft_config(path_and_options(arg)[0])["target"]["layer_ids"])
+    return list(read_draft_config(path_and_options(heads[0])[0])["target"]["layer_ids"])
 
 
 def build_source(spec: str, target) -> DraftSource:
@@ -98,4 +112,5 @@ def build_source(spec: str, target) -> DraftSource:
     return factory(arg if sep else None, target)
 
 
-__all__ = ["Draft", "DraftContext", "DraftSource", "SOURCES", "build_source", "register_source", "source_layer_ids", "parse_kwargs"]
+__all__ = ["Draft", "DraftContext", "DraftSource", "SOURCES", "build_source", "register_source", "source_layer_ids", "source_paths",
+           "parse_kwargs"]
