@@ -37,6 +37,7 @@ from inference.sampling import SamplingConfig
 from inference.schedulers import ConfidencePrefix, DynamicK
 from inference.sources import build_source, source_layer_ids
 from models.errors import DraftheadsError, cli
+from models.files import write_atomic
 from models.files import check_writable
 from models.target import DEFAULT_TARGET, load_target
 
@@ -251,7 +252,7 @@ def main(argv=None) -> int:
         from eval.plots import plot_speedup
 
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_atomic(Path(args.out), json.dumps(result, indent=1))
         plot_speedup(result, Path(args.out).with_suffix(".png"))
     print(json.dumps(result))
     return 0 if ok else 1
