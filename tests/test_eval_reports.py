@@ -1,0 +1,76 @@
+"""Report scripts over benchmark and training outputs: `eval.speedup` end to end on the tiny target and the one table
+`make demo` prints over its results; `eval.depth_ceiling` over runs' held-out acceptance."""
+
+import json
+
+import pytest
+
+from eval import depth_ceiling, report, speedup
+
+PROMPTS = [{"question_id": 1, "category": "writing", "turns": ["Say hi hi hi hi."]},
+           {"question_id": 2, "category": "writing", "turns": ["Count: 1 2 3 1 2 3 1 2 3"]},
+           {"question_id": 3, "category": "writing", "turns": ["Repeat: a b a b a b"]}]
+
+
+def test_speedup_result_becomes_a_table_row(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    out = tmp_path / "pl.json"
+    code = speedup.main(["--prompts", str(prompts), "--target", "tiny-random-llama", "--source", "prompt_lookup",
+                         "--max-new", "8", "--k", "3", "--threads", "1", "--modes", "plain,spec",
+                         "--check-lossless", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["lossless"] is True and result["prompts"] == 3
+    capsys.readouterr()
+    assert report.main(["speedup", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| source | plain tok/s | speculative tok/s | speedup | tau | lossless |")
+    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    assert cells[0] == "prompt_lookup" and cells[5] == "true"
+    assert float(cells[3]) == round(result["speedup"], 2) and cells[6] == "-"  # HF generate: not run
+
+
+def test_report_refuses_what_is_not_a_speedup_result(tmp_path, capsys):
+    other = tmp_path / "acc.json"
+    other.write_text(json.dumps({"benchmark": "acceptance", "tau": 1.5}))
+    assert report.main(["speedup", str(other)]) == 2
+    assert "is not an eval.speedup result" in capsys.readouterr().err
+    assert report.main(["speedup", str(tmp_path / "missing.json")]) == 2
+    assert "is not a readable JSON file" in capsys.readouterr().err
+    assert report.main(["speedup"]) == 2
+
+
+def test_tau_estimate_is_the_expected_chain_length():
+    assert depth_ceiling.tau_estimate([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert depth_ceiling.tau_estimate([0.2, 0.5, 1.0], first=1.0) == pytest.approx(1 + 1 + 0.5 + 0.5)
+
+
+def run_dir(tmp_path, name, acc):
+    run = tmp_path / name
+    run.mkdir()
+    lines = [{"step": 100, "loss": 3.0}, {"step": 100, **{f"val_acc_{k + 1}": a / 2 for k, a in enumerate(acc)}},
+             {"step": 200, **{f"val_acc_{k + 1}": a for k, a in enumerate(acc)}}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return run
+
+
+def test_depth_ceiling_margins_use_the_last_held_out_line(tmp_path, capsys):
+    base, better = run_dir(tmp_path, "base", [0.3, 0.1, 0.1]), run_dir(tmp_path, "better", [0.3, 0.3, 0.3])
+    assert depth_ceiling.main([str(base), str(better), "--first", "1"]) == 0
+    rows = {r["run"]: r for r in json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]}
+    b, m = rows[str(base)], rows[str(better)]
+    assert b["tau_est"] == pytest.approx(1 + 0.3 * (1 + 0.1 * 1.1), abs=1e-4) and b["margin"] == 0
+    assert m["tau_est at acc_1=1"] == pytest.approx(2.39, abs=1e-4)
+    assert m["margin at acc_1=1"] == pytest.approx(2.39 / 2.11 - 1, abs=1e-4)
+
+
+def test_depth_ceiling_names_the_bad_input(tmp_path, capsys):
+    assert depth_ceiling.main([str(tmp_path / "nope")]) == 2
+    assert "metrics.jsonl' does not exist" in capsys.readouterr().err
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    assert depth_ceiling.main([str(tmp_path / "r")]) == 2
+    assert "has no held-out line" in capsys.readouterr().err
+    assert depth_ceiling.main([str(tmp_path / "r"), "--first", "2"]) == 2
+    assert "--first='2' must be" in capsys.readouterr().err
