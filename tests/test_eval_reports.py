@@ -74,3 +74,19 @@ def test_depth_ceiling_names_the_bad_input(tmp_path, capsys):
     assert "has no held-out line" in capsys.readouterr().err
     assert depth_ceiling.main([str(tmp_path / "r"), "--first", "2"]) == 2
     assert "--first='2' must be" in capsys.readouterr().err
+
+
+def test_heldout_prompts_are_the_last_sequences_first_user_turns(tiny_target, tmp_path):
+    from eval.heldout_prompts import heldout_prompts
+    from models.errors import DraftheadsError
+
+    tok = tiny_target.tokenizer
+    convs = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+             for i in range(5)]
+    features = [{"input_ids": tok(tok.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"]}
+                for c in convs]
+    rows = heldout_prompts(features, tok, 2)
+    assert rows == [{"question_id": 3, "category": "heldout", "turns": ["question 3"]},
+                    {"question_id": 4, "category": "heldout", "turns": ["question 4"]}]
+    with pytest.raises(DraftheadsError, match="--holdout=6 must be in"):
+        heldout_prompts(features, tok, 6)
