@@ -17,6 +17,7 @@ from pathlib import Path
 
 from eval.report import markdown_table
 from models.errors import DraftheadsError, cli
+from train.trainer import tau_estimate
 
 
 def held_out_acceptance(run: Path) -> list[float]:
@@ -24,19 +25,17 @@ def held_out_acceptance(run: Path) -> list[float]:
     path = run / "metrics.jsonl"
     if not path.is_file():
         raise DraftheadsError(f"'{path}' does not exist; pass a train.distill output directory")
-    lines = [json.loads(line) for line in path.read_text().splitlines() if '"val_acc_1"' in line]
+    lines = []
+    for line in path.read_text().splitlines():
+        if '"val_acc_1"' in line:
+            try:
+                lines.append(json.loads(line))
+            except ValueError:  # a line torn by a killed run
+                continue
     if not lines:
         raise DraftheadsError(f"'{path}' has no held-out line (val_acc_1); train with train.holdout_sequences > 0")
     last = lines[-1]
     return [last[f"val_acc_{k}"] for k in range(1, 65) if f"val_acc_{k}" in last]
-
-
-def tau_estimate(acc: list[float], first: float | None = None) -> float:
-    """1 + sum_k prod_{j<=k} acc_j, with acc_1 replaced by `first` when given."""
-    tail = 1.0
-    for a in reversed(acc[1:]):
-        tail = 1.0 + a * tail
-    return 1.0 + (acc[0] if first is None else first) * tail
 
 
 @cli

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     if not Path(args.features, "manifest.json").is_file():
         raise DraftheadsError(f"'{args.features}' has no manifest.json; pass a feature directory (RUN/data/features)")
     features = FeatureDataset(args.features)
-    name = args.target or json.loads(Path(args.features, "manifest.json").read_text())["fingerprint"]["name"]
+    name = args.target or features.manifest["fingerprint"]["name"]
     tokenizer = load_target(name, parts="head_inputs").tokenizer
     rows = heldout_prompts(features, tokenizer, args.holdout)
     write_atomic(args.out, "".join(json.dumps(r) + "\n" for r in rows))

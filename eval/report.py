@@ -46,8 +46,6 @@ def write_report(out: str | Path, results: dict, markdown: str, title: str | Non
     return out, md
 
 
-
-
 SPEEDUP_COLUMNS = ["source", "plain tok/s", "speculative tok/s", "speedup", "tau", "lossless", "HF generate tok/s",
                    "HF prompt lookup tok/s"]
 

@@ -37,8 +37,7 @@ from inference.sampling import SamplingConfig
 from inference.schedulers import ConfidencePrefix, DynamicK
 from inference.sources import build_source, source_layer_ids
 from models.errors import DraftheadsError, cli
-from models.files import write_atomic
-from models.files import check_writable
+from models.files import check_writable, write_atomic
 from models.target import DEFAULT_TARGET, load_target
 
 MODES = ("plain", "spec", "hf_generate", "hf_prompt_lookup")

@@ -57,6 +57,8 @@ def run_dir(tmp_path, name, acc):
 
 def test_depth_ceiling_margins_use_the_last_held_out_line(tmp_path, capsys):
     base, better = run_dir(tmp_path, "base", [0.3, 0.1, 0.1]), run_dir(tmp_path, "better", [0.3, 0.3, 0.3])
+    with open(base / "metrics.jsonl", "a") as f:
+        f.write('{"step": 300, "val_acc_1": 0.9, "val_ac')  # torn by a kill: skipped, the last whole line counts
     assert depth_ceiling.main([str(base), str(better), "--first", "1"]) == 0
     rows = {r["run"]: r for r in json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]}
     b, m = rows[str(base)], rows[str(better)]

@@ -263,6 +263,16 @@ def _objective(core, target, batch: dict, out, tc, temperature: float, gamma: fl
     return total / w.sum().clamp(min=1e-6), stats
 
 
+def tau_estimate(acc: list[float], first: float | None = None) -> float:
+    """1 + sum_k prod_{j<=k} acc_j: the greedy chain's τ if acceptance at depth k, given every earlier depth right, were
+    acc_k (val_tau_est); `first` replaces acc_1 (eval.depth_ceiling)."""
+    tau, run = 1.0, 1.0
+    for d, a in enumerate(acc):
+        run *= first if (d == 0 and first is not None) else a
+        tau += run
+    return tau
+
+
 def validation_fn(loss_on, holdout, batch_size: int, k: int):
     """validate(model, shard) -> {"val_loss", "val_acc_1".., "val_tau_est"}: the stage's own objective on every
     held-out sequence once (consecutive batches at fixed seeds, so numbers compare across steps), batches split over
@@ -281,14 +291,13 @@ def validation_fn(loss_on, holdout, batch_size: int, k: int):
                     tally.add(f"val_acc_{d}", stats[f"acc_{d}"])
         means = shard.reduce(tally)
         out = {"val_loss": round(means["val_loss"], 6)}
-        tau, run = 1.0, 1.0
+        acc = []
         for d in range(1, k + 1):
             if f"val_acc_{d}" not in means:
                 break
-            out[f"val_acc_{d}"] = round(means[f"val_acc_{d}"], 4)
-            run *= out[f"val_acc_{d}"]
-            tau += run
-        out["val_tau_est"] = round(tau, 4)
+            acc.append(round(means[f"val_acc_{d}"], 4))
+            out[f"val_acc_{d}"] = acc[-1]
+        out["val_tau_est"] = round(tau_estimate(acc), 4)
         return out
 
     return validate
