@@ -25,6 +25,11 @@ def test_smoke_experiment_runs_end_to_end_and_resumes(tmp_path):
     regenerated = (tmp_path / "data" / "regenerated.jsonl").read_text()
     rows = {p: p.read_bytes() for p in (tmp_path / "eval").glob("*/*.json")}
     assert len(rows) == 3
+    sim = subprocess.run([sys.executable, "-m", "eval.chain_simulation", str(tmp_path), "--holdout", "3", "--k", "4",
+                          "--max-new", "8", "--threads", "1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    result = json.loads(sim.stdout.strip().splitlines()[-1])  # the greedy chain on the run's own sequences
+    assert result["rounds"] > 0 and 1.0 <= result["tau"] <= 5.0 and result["sequences"] == 3
 
     again = _run(tmp_path)  # everything is on disk with the same settings: the data stage is skipped ...
     assert again.returncode == 0, again.stderr[-2000:]

@@ -92,3 +92,22 @@ def test_heldout_prompts_are_the_last_sequences_first_user_turns(tiny_target, tm
                     {"question_id": 4, "category": "heldout", "turns": ["question 4"]}]
     with pytest.raises(DraftheadsError, match="--holdout=6 must be in"):
         heldout_prompts(features, tok, 6)
+
+
+def test_chain_simulation_follows_the_sequence_round_by_round():
+    import torch
+
+    from eval.chain_simulation import by_depth, simulate_chain
+
+    mask = torch.tensor([0, 0, 0] + [1] * 10, dtype=torch.bool)  # answer = tokens 3..12; first anchor 2
+    hit = torch.zeros(13, 3, dtype=torch.bool)
+    hit[2] = torch.tensor([1, 1, 0])  # round 1 at anchor 2 accepts 2, emits 3 -> next anchor 5
+    hit[5] = torch.tensor([0, 1, 1])  # round 2 accepts 0 -> anchor 6
+    hit[6] = torch.tensor([1, 1, 1])  # round 3 accepts 3 -> anchor 10
+    hit[10] = torch.tensor([1, 0, 0])  # round 4 accepts 1 -> anchor 12 = the last token: done
+    assert simulate_chain(hit, mask, max_new=64) == [2, 0, 3, 1]
+    assert simulate_chain(hit, mask, max_new=4) == [2]  # prefill's token + 3: the budget is spent
+    stats = by_depth(hit[[2, 5, 6, 10]], 3)
+    assert stats["agreement"] == [0.75, 0.75, 0.5]  # unconditional: round 2's later hits count here ...
+    assert stats["acceptance"] == [0.75, 0.6667, 0.5]  # ... and not here (depth 2 given depth 1: 2 of 3)
+    assert stats["tau_est"] == round(1 + 0.75 + 0.75 * 0.6667 + 0.75 * 0.6667 * 0.5, 4)
