@@ -44,8 +44,8 @@ def agreement(head, target, item: dict, k: int) -> torch.Tensor:
     return hit
 
 
-def simulate_chain(hit: torch.Tensor, loss_mask: torch.Tensor, max_new: int) -> list[int]:
-    """Accepted drafts per round of greedy decoding that follows the sequence from its first answer token."""
+def simulate_chain(hit: torch.Tensor, loss_mask: torch.Tensor, max_new: int) -> list[tuple[int, int]]:
+    """(anchor, accepted drafts) per round of greedy decoding that follows the sequence from its first answer token."""
     answer = loss_mask.nonzero().flatten()
     if answer.numel() == 0:
         return []
@@ -54,7 +54,7 @@ def simulate_chain(hit: torch.Tensor, loss_mask: torch.Tensor, max_new: int) -> 
         accepted = 0
         while accepted < hit.shape[1] and hit[t, accepted]:
             accepted += 1
-        rounds.append(accepted)
+        rounds.append((t, accepted))
         emitted += accepted + 1
         t += accepted + 1
     return rounds
@@ -113,12 +113,9 @@ def main(argv=None) -> int:
         labelled = answer.nonzero().flatten()
         anchors = labelled[(labelled - 1 >= 0) & (labelled + args.k < len(answer))] - 1  # every depth labelled
         every.append(hit[anchors])
-        accepted = simulate_chain(hit, answer, args.max_new)
-        t = int(labelled[0]) - 1 if labelled.numel() else 0
-        for a in accepted:
-            starts.append(hit[t])
-            t += a + 1
-        rounds += accepted
+        walked = simulate_chain(hit, answer, args.max_new)
+        starts += [hit[t] for t, _ in walked]
+        rounds += [a for _, a in walked]
     if not rounds:
         raise DraftheadsError(f"the held-out sequences of '{args.run}' have no answer tokens to simulate")
     table = {"every position": by_depth(torch.cat(every), args.k),

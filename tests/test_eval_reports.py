@@ -105,8 +105,8 @@ def test_chain_simulation_follows_the_sequence_round_by_round():
     hit[5] = torch.tensor([0, 1, 1])  # round 2 accepts 0 -> anchor 6
     hit[6] = torch.tensor([1, 1, 1])  # round 3 accepts 3 -> anchor 10
     hit[10] = torch.tensor([1, 0, 0])  # round 4 accepts 1 -> anchor 12 = the last token: done
-    assert simulate_chain(hit, mask, max_new=64) == [2, 0, 3, 1]
-    assert simulate_chain(hit, mask, max_new=4) == [2]  # prefill's token + 3: the budget is spent
+    assert simulate_chain(hit, mask, max_new=64) == [(2, 2), (5, 0), (6, 3), (10, 1)]  # (anchor, accepted)
+    assert simulate_chain(hit, mask, max_new=4) == [(2, 2)]  # prefill's token + 3: the budget is spent
     stats = by_depth(hit[[2, 5, 6, 10]], 3)
     assert stats["agreement"] == [0.75, 0.75, 0.5]  # unconditional: round 2's later hits count here ...
     assert stats["acceptance"] == [0.75, 0.6667, 0.5]  # ... and not here (depth 2 given depth 1: 2 of 3)
