@@ -128,6 +128,21 @@ def test_speculative_greedy_is_lossless_batched(tiny_target, tree):
     assert (aux - full.aux_hidden[0]).abs().max() < 1e-4 and (final - full.final_hidden[0]).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_requests_stopping_early_leave_the_others_lossless(tiny_target, tree):
+    """Requests that stop at an end token drop out of the batch mid-run (the rest read their rows by index); every
+    output equals the reference loop cut after its first end token."""
+    prompts = make_prompts((5, 17, 9, 12), seed=3)
+    ref = reference(tiny_target, prompts, 30)
+    eos = {ref[0][0], ref[1][0]}  # requests 0 and 1 stop at once, 2 and 3 run on
+    cut = [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in ref]
+    assert [len(c) for c in cut] == [1, 1, 30, 30]
+    rt = Runtime(tiny_target, max_len=128, batch_size=4)
+    rt.eos = eos
+    for source in (None, OracleSource(prompts, ref, tree=tree, needs_features=True)):
+        assert rt.generate(prompts, 30, source=source, k=4).tokens == cut
+
+
 def test_one_source_per_request(tiny_target):
     prompts = make_prompts((6, 11), seed=2)
     ref = reference(tiny_target, prompts, 16)
