@@ -105,6 +105,7 @@ class TrainConfig:
     data_fraction: float = 1.0  # train on the first fraction of the other sequences (a data curve: same held-out set)
     length_grouped: bool = False  # micro-batches of similar lengths (less right padding), every epoch still a permutation
     eval_every: int = 100  # stage 1: validate every N steps; the head with the lowest validation loss is kept
+    val_tau_chain: bool = True  # also walk the greedy chain over the held-out answers (~2x a validation's cost)
     log_every: int = 10
     seed: int = 0
     resume: bool = True  # resume from the newest checkpoint in the output directory

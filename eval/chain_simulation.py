@@ -3,13 +3,11 @@ held-out sequences, and the chain simulated on it.
 
     python -m eval.chain_simulation RUN [--holdout 128] [--limit 64] [--k 5] [--max-new 64]
 
-The held-out sequences are the target's own greedy answers (regenerated at T=0), so greedy speculative decoding of
-their prompts walks exactly these tokens: a round at anchor t (tokens up to t+1 known, target features up to t)
-accepts the longest run of drafts that agree with the target's greedy token, emits one more, and the next round's
-anchor is t + accepted + 1. Agreement by depth is reported three ways: over every position (what val_acc_k
-averages), over every position given the earlier depths agreed (the chain's conditional), and over the positions
-where the simulated rounds start (what eval.acceptance counts). A gap between the last two is a selection effect:
-rounds start right after a rejection. Prints a table, then ONE JSON line.
+The walk is train.chain's (the trainer's val_tau_chain at K = draft.k over whole answers is the same simulation).
+Agreement by depth is reported three ways: over every position (what val_acc_k averages), over every position given
+the earlier depths agreed (the chain's conditional), and over the positions where the simulated rounds start (what
+eval.acceptance counts). A gap between the last two is a selection effect: rounds start right after a rejection.
+Prints a table, then ONE JSON line.
 """
 
 from __future__ import annotations
@@ -23,41 +21,8 @@ import torch
 
 from eval.report import markdown_table
 from models.errors import DraftheadsError, cli
-from train.trainer import tau_estimate
-
-
-def agreement(head, target, item: dict, k: int) -> torch.Tensor:
-    """hit [T, k] bool: the head's depth-d draft at anchor t equals the target's greedy token t+d+1 (teacher-forced,
-    every anchor and depth; False where the label lies outside the answer)."""
-    from inference.sampling import greedy_tokens
-    from train.cod import cod_plan
-    from train.trainer import collate, draft_labels
-
-    batch = collate([item], target.device)
-    plan = cod_plan(batch["loss_mask"].cpu(), batch["lengths"].cpu(), k, 1.0)
-    with torch.no_grad():
-        rows = head(batch, plan)
-        _, _, best = draft_labels(target, head, batch, rows, slice(None))
-        hits = greedy_tokens(head.logits_for(rows.hidden, rows.depth)) == best
-    hit = torch.zeros(int(batch["lengths"][0]), k, dtype=torch.bool)
-    hit[rows.anchor.cpu(), rows.depth.cpu() - 1] = hits.cpu()
-    return hit
-
-
-def simulate_chain(hit: torch.Tensor, loss_mask: torch.Tensor, max_new: int) -> list[tuple[int, int]]:
-    """(anchor, accepted drafts) per round of greedy decoding that follows the sequence from its first answer token."""
-    answer = loss_mask.nonzero().flatten()
-    if answer.numel() == 0:
-        return []
-    t, end, emitted, rounds = int(answer[0]) - 1, int(answer[-1]), 1, []  # prefill emits token answer[0]
-    while emitted < max_new and t + 1 < end:
-        accepted = 0
-        while accepted < hit.shape[1] and hit[t, accepted]:
-            accepted += 1
-        rounds.append((t, accepted))
-        emitted += accepted + 1
-        t += accepted + 1
-    return rounds
+from train.chain import agreement, simulate_chain
+from train.trainer import collate, tau_estimate
 
 
 def by_depth(starts: torch.Tensor, k: int) -> dict:
@@ -108,7 +73,7 @@ def main(argv=None) -> int:
     every, starts, rounds = [], [], []
     for i in range(first, min(first + args.limit, len(features))):
         item = features[i]
-        hit = agreement(head, target, item, args.k)
+        hit = agreement(head, target, collate([item], target.device), args.k)[0]
         answer = item["loss_mask"].bool()
         labelled = answer.nonzero().flatten()
         anchors = labelled[(labelled - 1 >= 0) & (labelled + args.k < len(answer))] - 1  # every depth labelled

@@ -51,6 +51,7 @@ def collect(root: Path) -> list[dict]:
                        or run.name, "settings": {k: config.get(k) for k in varying},
                        "tau": head[0]["tau"] if head else None, "k": head[0]["k"] if head else None,
                        "val_tau_est": validation[-1].get("val_tau_est") if validation else None,
+                       "val_tau_chain": validation[-1].get("val_tau_chain") if validation else None,
                        "best_val_loss": min((v["val_loss"] for v in validation), default=None),
                        "acceptance": acceptance, "validation": validation})
     return sorted(points, key=lambda p: -(p["tau"] if p["tau"] is not None else float("-inf")))
@@ -64,16 +65,16 @@ def main(argv=None) -> None:
     root = Path(args.root)
     out = Path(args.out or root)
     points = collect(root)
-    table = markdown_table([{"rank": i + 1, **{k: p[k] for k in ("label", "tau", "val_tau_est", "best_val_loss")}}
-                            for i, p in enumerate(points)])
+    columns = ("label", "tau", "val_tau_chain", "val_tau_est", "best_val_loss")
+    table = markdown_table([{"rank": i + 1, **{k: p[k] for k in columns}} for i, p in enumerate(points)])
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep_summary.md").write_text(table)
     figures = plot_sweep(points, out)
     print(table)
     if not figures:
         print("(no figures: pip install matplotlib)")
-    print(json.dumps({"points": [{k: p[k] for k in ("label", "settings", "tau", "val_tau_est", "best_val_loss", "run")}
-                                 for p in points], "figures": [str(f) for f in figures]}))
+    print(json.dumps({"points": [{k: p[k] for k in columns + ("settings", "run")} for p in points],
+                      "figures": [str(f) for f in figures]}))
 
 
 if __name__ == "__main__":

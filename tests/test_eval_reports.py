@@ -97,7 +97,8 @@ def test_heldout_prompts_are_the_last_sequences_first_user_turns(tiny_target, tm
 def test_chain_simulation_follows_the_sequence_round_by_round():
     import torch
 
-    from eval.chain_simulation import by_depth, simulate_chain
+    from eval.chain_simulation import by_depth
+    from train.chain import simulate_chain
 
     mask = torch.tensor([0, 0, 0] + [1] * 10, dtype=torch.bool)  # answer = tokens 3..12; first anchor 2
     hit = torch.zeros(13, 3, dtype=torch.bool)
@@ -107,6 +108,7 @@ def test_chain_simulation_follows_the_sequence_round_by_round():
     hit[10] = torch.tensor([1, 0, 0])  # round 4 accepts 1 -> anchor 12 = the last token: done
     assert simulate_chain(hit, mask, max_new=64) == [(2, 2), (5, 0), (6, 3), (10, 1)]  # (anchor, accepted)
     assert simulate_chain(hit, mask, max_new=4) == [(2, 2)]  # prefill's token + 3: the budget is spent
+    assert simulate_chain(hit, mask) == simulate_chain(hit, mask, max_new=64)  # None: the whole answer
     stats = by_depth(hit[[2, 5, 6, 10]], 3)
     assert stats["agreement"] == [0.75, 0.75, 0.5]  # unconditional: round 2's later hits count here ...
     assert stats["acceptance"] == [0.75, 0.6667, 0.5]  # ... and not here (depth 2 given depth 1: 2 of 3)

@@ -62,7 +62,7 @@ def test_two_ranks_read_the_single_process_global_batch_and_follow_its_curve(one
     a, b = _rows(one / "metrics.jsonl"), _rows(two / "metrics.jsonl")
     assert [(r["stage"], r["step"], "val_loss" in r) for r in a] == [(r["stage"], r["step"], "val_loss" in r) for r in b]
     for ra, rb in zip(a, b):  # float tolerance: gradients averaged by all-reduce vs summed by accumulation
-        for key in ("loss", "val_loss", "val_tau_est", "acc_1"):
+        for key in ("loss", "val_loss", "val_tau_est", "val_tau_chain", "acc_1"):
             if key in ra:
                 assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-6), (ra, rb)
     wa, wb = load_file(one / "head" / "model.safetensors"), load_file(two / "head" / "model.safetensors")

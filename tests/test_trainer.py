@@ -139,6 +139,14 @@ def test_holdout_validation_keeps_the_best_head(peaked_target, tmp_path):
     assert 1.0 <= val[12]["val_tau_est"] <= 1 + 3 and {"val_acc_1", "val_acc_2", "val_acc_3"} <= set(val[12])
     best_step = min(val, key=lambda s: val[s]["val_loss"])
     assert json.loads((head_dir / "metrics.json").read_text())["best_step"] == best_step
+    # val_tau_chain: the greedy chain walked over the held-out answers; the kept head, re-scored one sequence at a
+    # time outside the trainer, walks the same rounds
+    from train.chain import chain_fn
+
+    emitted, rounds = map(sum, zip(*(chain_fn(peaked_target, 3, "cpu")(load_draft(head_dir, peaked_target), [f])
+                                     for f in feats[-3:])))
+    assert 1.0 <= val[best_step]["val_tau_chain"] <= 1 + 3
+    assert val[best_step]["val_tau_chain"] == round(emitted / rounds, 4)
     with pytest.raises(DraftheadsError, match="holdout_sequences=10 leaves nothing"):
         train_draft(make_cfg(tmp_path / "b", holdout_sequences=10), peaked_target, feats, tmp_path / "b")
 

@@ -273,11 +273,12 @@ def tau_estimate(acc: list[float], first: float | None = None) -> float:
     return tau
 
 
-def validation_fn(loss_on, holdout, batch_size: int, k: int):
-    """validate(model, shard) -> {"val_loss", "val_acc_1".., "val_tau_est"}: the stage's own objective on every
-    held-out sequence once (consecutive batches at fixed seeds, so numbers compare across steps), batches split over
-    ranks. val_tau_est = 1 + sum_k prod_{j<=k} acc_j, the τ greedy decoding would get if teacher-forced agreement were
-    the acceptance (regenerated data: it is)."""
+def validation_fn(loss_on, holdout, batch_size: int, k: int, chain=None):
+    """validate(model, shard) -> {"val_loss", "val_acc_1".., "val_tau_est"[, "val_tau_chain"]}: the stage's own
+    objective on every held-out sequence once (consecutive batches at fixed seeds, so numbers compare across steps),
+    batches split over ranks. val_tau_est = 1 + sum_k prod_{j<=k} acc_j, the τ greedy decoding would get if every
+    position were as easy as the average one; val_tau_chain (chain = train.chain.chain_fn) walks the greedy chain over
+    the held-out answers, rounds starting where the last one was rejected: what serving measures (regenerated data)."""
     n_batches = math.ceil(len(holdout) / batch_size)
 
     def validate(model, shard: Shard = Shard()) -> dict:
@@ -285,10 +286,13 @@ def validation_fn(loss_on, holdout, batch_size: int, k: int):
         for b, real in shard.calls(n_batches):
             items = [holdout[i] for i in range(b * batch_size, min((b + 1) * batch_size, len(holdout)))]
             loss, stats = loss_on(model, items, b, 1.0)
+            walked = chain(model, items) if chain is not None else None
             if real:
                 tally.add("val_loss", float(loss.detach()))
                 for d in range(1, k + 1):
                     tally.add(f"val_acc_{d}", stats[f"acc_{d}"])
+                if walked is not None:
+                    tally.add("val_tau_chain", walked)  # tokens emitted / rounds
         means = shard.reduce(tally)
         out = {"val_loss": round(means["val_loss"], 6)}
         acc = []
@@ -298,6 +302,8 @@ def validation_fn(loss_on, holdout, batch_size: int, k: int):
             acc.append(round(means[f"val_acc_{d}"], 4))
             out[f"val_acc_{d}"] = acc[-1]
         out["val_tau_est"] = round(tau_estimate(acc), 4)
+        if "val_tau_chain" in means:
+            out["val_tau_chain"] = round(means["val_tau_chain"], 4)
         return out
 
     return validate
@@ -384,12 +390,15 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
             if main:
                 print(f"[draftheads] soft_label: already done ({stage_dir})")
         else:
+            from train.chain import chain_fn  # imports this module
+
             head = _trainable(_initial_head(dc, target, dataset), tc)
             loss_on = soft_label_loss(target, tc, dc.k, head.family_name, target.device, fill)
             stage = Stage("soft_label", tc.steps, tc.lr, tc.warmup_steps,
                           soft_label_step_fn(target, dataset, tc, dc.k, head.family_name, target.device, fill),
-                          out / "checkpoints", None if holdout is None else validation_fn(loss_on, holdout,
-                                                                                          tc.batch_size, dc.k),
+                          out / "checkpoints", None if holdout is None else validation_fn(
+                              loss_on, holdout, tc.batch_size, dc.k,
+                              chain_fn(target, dc.k, target.device, fill) if tc.val_tau_chain else None),
                           settings=settings)
             finished, state, metrics = run_stage(accelerator, head, stage, tc, log, stop_at_step)
             accelerator.free_memory()
@@ -421,8 +430,8 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     return out / "head"
 
 
-NOT_SHAPING = {"steps", "rl_steps", "checkpoint_every", "eval_every", "log_every", "resume", "wandb", "wandb_project",
-               "dry_run", "stages"}
+NOT_SHAPING = {"steps", "rl_steps", "checkpoint_every", "eval_every", "val_tau_chain", "log_every", "resume", "wandb",
+               "wandb_project", "dry_run", "stages"}
 
 
 def stage_settings(cfg, stage: str, data_id, start) -> dict:
