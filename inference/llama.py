@@ -52,7 +52,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 # outputs at 128 tokens): its softmax sums keys in vectorised lanes, so a key's slot changes the rounding. float32
 # GEMMs here round a row the same for any row count >= GEMM_MIN_ROWS (1-3 rows take another kernel;
 # tests/test_runtime.py checks the equality), so decoding pads its query rows up to that.
-# The key span is rounded up to SPAN_BLOCK (fewer distinct shapes; static ones for CUDA graphs).
+# The key span is rounded up to SPAN_BLOCK (fewer distinct shapes; static ones for CUDA graphs). Not below 512: a
+# float32 GEMM summing K <= 256 keys rounds differently from one summing K >= 384 (this CPU's oneDNN), so a token
+# decoded at a 256-key span would not equal its verification at 384. Summing over 128-key chunks restores equality
+# but was not measurably faster (session 7: 100-700 keys, batch 1, bf16).
 # Work that needs no equality (regenerating training data) passes row_invariant=False: no padding, real span, and
 # the softmax's own sum.
 QUERY_BLOCK = 16
