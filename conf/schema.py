@@ -104,8 +104,9 @@ class TrainConfig:
     holdout_sequences: int = 0  # feature sequences held out (from the end) for validation; 0 = none
     data_fraction: float = 1.0  # train on the first fraction of the other sequences (a data curve: same held-out set)
     length_grouped: bool = False  # micro-batches of similar lengths (less right padding), every epoch still a permutation
-    eval_every: int = 100  # stage 1: validate every N steps; the head with the lowest validation loss is kept
+    eval_every: int = 100  # stage 1: validate every N steps and keep the best head (keep_best_by)
     val_tau_chain: bool = True  # also walk the greedy chain over the held-out answers (~2x a validation's cost)
+    keep_best_by: str = "val_tau_chain"  # val_tau_chain (highest; val_loss without it) | val_loss (lowest)
     log_every: int = 10
     seed: int = 0
     resume: bool = True  # resume from the newest checkpoint in the output directory
@@ -233,7 +234,7 @@ RULES: dict[str, Callable] = {
     "train.rl_kl_weight": at_least(0), "train.rl_pg_weight": at_least(0), "train.rl_max_context": at_least(2),
     "train.rl_anchors": at_least(1), "train.rl_temperature": at_least(0), "train.rl_surrogate_temperature": above(0),
     "train.checkpoint_every": at_least(1), "train.holdout_sequences": at_least(0), "train.eval_every": at_least(1),
-    "train.log_every": at_least(1), "train.seed": at_least(0), "train.replay_fraction": between(0, 0.95),
+    "train.keep_best_by": one_of("val_tau_chain", "val_loss"), "train.log_every": at_least(1), "train.seed": at_least(0), "train.replay_fraction": between(0, 0.95),
     "train.data_fraction": lambda v: (math.isfinite(v) and 0 < v <= 1, "must be in (0, 1]"),
     "eval.limit": at_least(0), "eval.max_new": at_least(1), "eval.domain_skip": at_least(0),
     "eval.domain_limit": at_least(1), "eval.k": each(between(1, 64)),

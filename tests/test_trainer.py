@@ -137,8 +137,9 @@ def test_holdout_validation_keeps_the_best_head(peaked_target, tmp_path):
     assert sorted(val) == [4, 8, 12]
     assert val[12]["val_loss"] < val[4]["val_loss"]
     assert 1.0 <= val[12]["val_tau_est"] <= 1 + 3 and {"val_acc_1", "val_acc_2", "val_acc_3"} <= set(val[12])
-    best_step = min(val, key=lambda s: val[s]["val_loss"])
-    assert json.loads((head_dir / "metrics.json").read_text())["best_step"] == best_step
+    best_step = max(val, key=lambda s: (val[s]["val_tau_chain"], -s))  # the first step with the highest chain τ
+    kept = json.loads((head_dir / "metrics.json").read_text())
+    assert kept["best_step"] == best_step and kept["best_val_tau_chain"] == val[best_step]["val_tau_chain"]
     # val_tau_chain: the greedy chain walked over the held-out answers; the kept head, re-scored one sequence at a
     # time outside the trainer, walks the same rounds
     from train.chain import chain_fn
@@ -149,6 +150,9 @@ def test_holdout_validation_keeps_the_best_head(peaked_target, tmp_path):
     assert val[best_step]["val_tau_chain"] == round(emitted / rounds, 4)
     with pytest.raises(DraftheadsError, match="holdout_sequences=10 leaves nothing"):
         train_draft(make_cfg(tmp_path / "b", holdout_sequences=10), peaked_target, feats, tmp_path / "b")
+    by_loss = train_draft(make_cfg(tmp_path / "c", steps=12, holdout_sequences=3, eval_every=4, lr=3e-2,
+                                   keep_best_by="val_loss"), peaked_target, feats, tmp_path / "c")
+    assert json.loads((by_loss / "metrics.json").read_text())["best_step"] == min(val, key=lambda s: val[s]["val_loss"])
 
 
 def test_checkpoint_refuses_a_foreign_target(tiny_target, tmp_path):
@@ -350,7 +354,7 @@ def test_a_resume_with_other_settings_is_refused_and_resume_false_starts_over(pe
     val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
     assert sorted(val) == [2, 4, 6, 8]  # only the last run's lines
     second = json.loads((tmp_path / "head" / "metrics.json").read_text())
-    assert second["best_val_loss"] == min(val.values()) > first["best_val_loss"]  # its own best, not the earlier one
+    assert second["best_val_loss"] == val[second["best_step"]] > first["best_val_loss"]  # its own best, not the earlier
 
 
 def test_rl_killed_before_its_first_checkpoint_logs_step_0_once(peaked_target, tmp_path):

@@ -105,7 +105,8 @@ class Stage:
     step_fn: Callable[[nn.Module, int, float], tuple[Tensor, dict]]  # (model, global micro-batch, T) -> loss, stats
     ckpt_root: Path
     validate: Callable | None = None  # (model, Shard) -> metrics (identical on every rank), or None
-    keep_best: bool = True  # keep the lowest-val_loss weights (stage 1); RL only logs validation, step 0 included
+    keep_best: bool = True  # keep the best validated weights (stage 1); RL only logs validation, step 0 included
+    keep_best_by: str = "val_loss"  # val_loss (lowest) or a τ metric (highest) of the validation's output
     settings: dict = field(default_factory=dict)  # what shapes the weights (train.trainer.stage_settings)
 
 
@@ -252,12 +253,14 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
     best = _read_best(stage.ckpt_root) if stage.keep_best else None
     if best is not None:
         if main:
-            print(f"[draftheads] {stage.name}: kept the step-{best['step']} weights (lowest val_loss "
-                  f"{best['val_loss']:.4f})")
+            key = best.get("by", "val_loss")
+            print(f"[draftheads] {stage.name}: kept the step-{best['step']} weights "
+                  f"({'lowest' if key == 'val_loss' else 'highest'} {key} {best[key]:.4f})")
         from safetensors.torch import load_file
 
         state = load_file(stage.ckpt_root / "best" / "model.safetensors") if main else None
-        return True, state, {**logged, "best_step": best["step"], "best_val_loss": best["val_loss"]}
+        kept = {f"best_{k}": v for k, v in best.items() if k.startswith("val_")}
+        return True, state, {**logged, "best_step": best["step"], **kept}
     return True, _full_state(accelerator, model), logged
 
 
@@ -311,8 +314,9 @@ def _steps(accelerator, model, optimizer, stage: Stage, tc, log: RunLog, shard: 
         if stage.validate is not None and (step % tc.eval_every == 0 or step == stage.steps):
             metrics = _validate(model, stage, shard)
             log.write({"stage": stage.name, "step": step, **metrics})
-            if stage.keep_best and (best is None or metrics["val_loss"] < best["val_loss"]):
-                best = {"step": step, "val_loss": metrics["val_loss"]}
+            key = stage.keep_best_by if stage.keep_best_by in metrics else "val_loss"
+            if stage.keep_best and _better(metrics, best, key):
+                best = {"step": step, "by": key, **{k: v for k, v in metrics.items() if k in ("val_loss", key)}}
                 _save_best(accelerator, model, stage.ckpt_root / "best", best)
         if step % tc.checkpoint_every == 0 or step == stage.steps:
             _save_checkpoint(accelerator, stage.ckpt_root, step)
@@ -339,6 +343,13 @@ def _full_state(accelerator, model) -> dict | None:
     if not accelerator.is_main_process:
         return None
     return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+
+
+def _better(metrics: dict, best: dict | None, key: str) -> bool:
+    """metrics beat the kept weights by `key`: lower val_loss, or a higher τ."""
+    if best is None or key not in best:
+        return True
+    return metrics[key] < best[key] if key == "val_loss" else metrics[key] > best[key]
 
 
 def _read_best(root: Path) -> dict | None:

@@ -399,7 +399,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
                           out / "checkpoints", None if holdout is None else validation_fn(
                               loss_on, holdout, tc.batch_size, dc.k,
                               chain_fn(target, dc.k, target.device, fill) if tc.val_tau_chain else None),
-                          settings=settings)
+                          settings=settings, keep_best_by=tc.keep_best_by)
             finished, state, metrics = run_stage(accelerator, head, stage, tc, log, stop_at_step)
             accelerator.free_memory()
             if not finished:
