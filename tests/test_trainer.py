@@ -143,9 +143,10 @@ def test_holdout_validation_keeps_the_best_head(peaked_target, tmp_path):
     # val_tau_chain: the greedy chain walked over the held-out answers; the kept head, re-scored one sequence at a
     # time outside the trainer, walks the same rounds
     from train.chain import chain_fn
+    from train.trainer import prepare_batch
 
-    emitted, rounds = map(sum, zip(*(chain_fn(peaked_target, 3, "cpu")(load_draft(head_dir, peaked_target), [f])
-                                     for f in feats[-3:])))
+    emitted, rounds = map(sum, zip(*(chain_fn(peaked_target, 3)(load_draft(head_dir, peaked_target),
+                                                                prepare_batch([f], "cpu")) for f in feats[-3:])))
     assert 1.0 <= val[best_step]["val_tau_chain"] <= 1 + 3
     assert val[best_step]["val_tau_chain"] == round(emitted / rounds, 4)
     with pytest.raises(DraftheadsError, match="holdout_sequences=10 leaves nothing"):

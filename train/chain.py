@@ -16,8 +16,8 @@ from torch import Tensor
 
 from inference.sampling import greedy_tokens
 from models.families import family
-from train.cod import CodPlan, anchor_plan, cod_plan
-from train.trainer import LOSS_CHUNK_ROWS, collate, draft_labels
+from train.cod import CodPlan, anchor_plan, cod_plan, plan_to
+from train.trainer import LOSS_CHUNK_ROWS, draft_labels
 
 
 def full_plan(loss_mask: Tensor, lengths: Tensor, k: int, blocks: bool) -> CodPlan:
@@ -31,9 +31,9 @@ def agreement(model, target, batch: dict, k: int) -> Tensor:
     """hit [B, T, k] bool: the head's depth-d draft at anchor t equals the target's greedy token t+d+1 (teacher-forced,
     every anchor and depth; False where the label lies outside the answer). `model` may be a sharding wrapper."""
     core = getattr(model, "module", model)
-    plan = full_plan(batch["loss_mask"].cpu(), batch["lengths"].cpu(), k, family(core.family_name).blocks)
     device = batch["input_ids"].device
-    plan = CodPlan(**{f: (v.to(device) if isinstance(v, Tensor) else v) for f, v in vars(plan).items()})
+    plan = plan_to(full_plan(batch["loss_mask"].cpu(), batch["lengths"].cpu(), k, family(core.family_name).blocks),
+                   device)
 
     def hits(head, rows):
         agree = torch.zeros(rows.hidden.shape[0], dtype=torch.bool, device=device)
@@ -56,10 +56,11 @@ def simulate_chain(hit: Tensor, loss_mask: Tensor, max_new: int | None = None) -
     answer = loss_mask.nonzero().flatten()
     if answer.numel() == 0:
         return []
+    hit = hit.tolist()  # Python bools: the walk reads them one by one
     t, end, emitted, rounds = int(answer[0]) - 1, int(answer[-1]), 1, []  # prefill emits token answer[0]
     while (max_new is None or emitted < max_new) and t + 1 < end:
         accepted = 0
-        while accepted < hit.shape[1] and hit[t, accepted]:
+        while accepted < len(hit[t]) and hit[t][accepted]:
             accepted += 1
         rounds.append((t, accepted))
         emitted += accepted + 1
@@ -67,12 +68,11 @@ def simulate_chain(hit: Tensor, loss_mask: Tensor, max_new: int | None = None) -
     return rounds
 
 
-def chain_fn(target, k: int, device, fill=None):
-    """chain(model, items) -> (tokens emitted, rounds) of the simulated greedy chain at K = k over held-out items
-    (`fill`: online runs add the target's hidden states to the items first)."""
+def chain_fn(target, k: int):
+    """chain(model, batch) -> (tokens emitted, rounds) of the simulated greedy chain at K = k over a batch of held-out
+    sequences (train.trainer.prepare_batch)."""
 
-    def chain(model, items: list[dict]) -> tuple[int, int]:
-        batch = collate(fill(items) if fill is not None else items, device)
+    def chain(model, batch: dict) -> tuple[int, int]:
         hit = agreement(model, target, batch, k)
         emitted = rounds = 0
         for b in range(hit.shape[0]):

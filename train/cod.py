@@ -34,6 +34,11 @@ class CodPlan:
         return torch.arange(0, self.blocks[d], device=self.anchor.device)
 
 
+def plan_to(plan: CodPlan, device) -> CodPlan:
+    """The plan's tensors on `device` (plans are built on the CPU)."""
+    return CodPlan(**{f: (v.to(device) if isinstance(v, Tensor) else v) for f, v in vars(plan).items()})
+
+
 def cod_plan(loss_mask: Tensor, lengths: Tensor, k: int, decay: float, generator: torch.Generator | None = None) -> CodPlan:
     """loss_mask [B, T] bool (token i is trained), lengths [B] -> the plan. decay = 1 keeps everything."""
     B, T = loss_mask.shape

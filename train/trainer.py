@@ -26,7 +26,7 @@ from models.checkpoint import build_draft, head_from_state, load_draft, save_dra
 from models.draft_vocab import build_draft_vocab, extend_draft_vocab, token_counts
 from models.errors import DraftheadsError
 from models.families import family
-from train.cod import anchor_plan, cod_plan
+from train.cod import anchor_plan, cod_plan, plan_to
 from train.loop import RunLog, Shard, Stage, Tally, check_settings, run_stage
 from train.losses import (KEEP_LOGITS_BYTES, LOSS_CHUNK_ROWS, Softmax, distill_loss, position_weights, token_ce,
                           total_variation)
@@ -207,21 +207,24 @@ def online_features(dataset, target, dtype: str):
     return None if has_hidden else OnlineFeatures(target, dtype)
 
 
+def prepare_batch(items: list[dict], device, fill=None) -> dict:
+    """Feature items -> one padded batch on `device`; `fill` (online runs) adds the target's hidden states first."""
+    return collate(fill(items) if fill is not None else items, device)
+
+
 def soft_label_loss(target, tc, k: int, family_name: str, device, fill=None):
-    """(model, items, micro, temperature) -> (loss, stats): the soft-label objective on a batch of feature items.
-    `fill` (online runs) adds the target's hidden states to the items first. Plans (COD depths, or block anchors) are
-    seeded by `micro`; everything that reads the head's parameters runs inside its forward
-    (models.layers.TrainableHead), so a sharded wrapper has them gathered."""
+    """(model, items, micro, temperature) -> (loss, stats): the soft-label objective on a batch of feature items (or
+    on their prepare_batch). Plans (COD depths, or block anchors) are seeded by `micro`; everything that reads the
+    head's parameters runs inside its forward (models.layers.TrainableHead), so a sharded wrapper has them gathered."""
     gamma = tc.position_gamma or k
 
-    def loss_on(model, items: list[dict], micro: int, temperature: float):
-        batch = collate(fill(items) if fill is not None else items, device)
+    def loss_on(model, items: list[dict] | dict, micro: int, temperature: float):
+        batch = items if isinstance(items, dict) else prepare_batch(items, device, fill)
         g = torch.Generator().manual_seed(tc.seed * 1_000_003 + micro)
         blocks = family(family_name).blocks  # whole blocks at random anchors, or COD-sampled depths
         make_plan = anchor_plan if blocks else cod_plan
         knob = tc.anchors_per_sequence if blocks else tc.cod_decay
-        plan = make_plan(batch["loss_mask"].cpu(), batch["lengths"].cpu(), k, knob, g)
-        plan = type(plan)(**{f: (v.to(device) if isinstance(v, Tensor) else v) for f, v in vars(plan).items()})
+        plan = plan_to(make_plan(batch["loss_mask"].cpu(), batch["lengths"].cpu(), k, knob, g), device)
         return model(batch, plan, lambda core, out: _objective(core, target, batch, out, tc, temperature, gamma, k))
 
     return loss_on
@@ -273,18 +276,21 @@ def tau_estimate(acc: list[float], first: float | None = None) -> float:
     return tau
 
 
-def validation_fn(loss_on, holdout, batch_size: int, k: int, chain=None):
+def validation_fn(loss_on, holdout, batch_size: int, k: int, chain=None, prepare=None):
     """validate(model, shard) -> {"val_loss", "val_acc_1".., "val_tau_est"[, "val_tau_chain"]}: the stage's own
     objective on every held-out sequence once (consecutive batches at fixed seeds, so numbers compare across steps),
     batches split over ranks. val_tau_est = 1 + sum_k prod_{j<=k} acc_j, the τ greedy decoding would get if every
     position were as easy as the average one; val_tau_chain (chain = train.chain.chain_fn) walks the greedy chain over
-    the held-out answers, rounds starting where the last one was rejected: what serving measures (regenerated data)."""
+    the held-out answers, rounds starting where the last one was rejected: what serving measures (regenerated data).
+    prepare (prepare_batch, needed with chain): items -> batch, made once for the loss and the chain."""
     n_batches = math.ceil(len(holdout) / batch_size)
 
     def validate(model, shard: Shard = Shard()) -> dict:
         tally = Tally()
         for b, real in shard.calls(n_batches):
             items = [holdout[i] for i in range(b * batch_size, min((b + 1) * batch_size, len(holdout)))]
+            if prepare is not None:
+                items = prepare(items)  # online runs: one target forward for both
             loss, stats = loss_on(model, items, b, 1.0)
             walked = chain(model, items) if chain is not None else None
             if real:
@@ -394,12 +400,12 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
 
             head = _trainable(_initial_head(dc, target, dataset), tc)
             loss_on = soft_label_loss(target, tc, dc.k, head.family_name, target.device, fill)
+            validate = None if holdout is None else validation_fn(
+                loss_on, holdout, tc.batch_size, dc.k, chain_fn(target, dc.k) if tc.val_tau_chain else None,
+                functools.partial(prepare_batch, device=target.device, fill=fill))
             stage = Stage("soft_label", tc.steps, tc.lr, tc.warmup_steps,
                           soft_label_step_fn(target, dataset, tc, dc.k, head.family_name, target.device, fill),
-                          out / "checkpoints", None if holdout is None else validation_fn(
-                              loss_on, holdout, tc.batch_size, dc.k,
-                              chain_fn(target, dc.k, target.device, fill) if tc.val_tau_chain else None),
-                          settings=settings, keep_best_by=tc.keep_best_by)
+                          out / "checkpoints", validate, settings=settings, keep_best_by=tc.keep_best_by)
             finished, state, metrics = run_stage(accelerator, head, stage, tc, log, stop_at_step)
             accelerator.free_memory()
             if not finished:
