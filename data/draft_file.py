@@ -7,7 +7,9 @@ path first) with exact prefix counts, so each token has P(t_j | key, t_<j) as it
 
 This module is the format: hashing, the reader (`DraftFile`: checks, lookup of one context or a batch,
 hot/cold placement) and the one writer (`write_file`). A lookup finds keys through an index of their top
-bits built on first use (one bucket of ~2 keys read instead of a binary search's ~25 cache misses).
+bits built on first use (one bucket of ~2 keys read instead of a binary search's ~25 cache misses). Lookups
+run in data/_draft_lookup.c when setup.py could compile it (3-10x faster); the numpy code here is its
+reference, used without a compiler, for hot tables and by the tests.
 Building, merging, coverage sizing and the CLI live in data/draft_file_build.py (counting in
 data/draft_file_count.py):
 
@@ -27,6 +29,7 @@ import json
 import math
 import mmap
 import struct
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +38,11 @@ from typing import Iterable
 import numpy as np
 
 from models.errors import DraftheadsError
+
+try:  # the compiled lookups (setup.py builds them when a C compiler is there); the numpy code below is their reference
+    from data._draft_lookup import Table as _CompiledTable
+except ImportError:
+    _CompiledTable = None
 
 MAGIC = b"DFLASHDF"
 VERSION = 1
@@ -168,6 +176,7 @@ class DraftFile:
             self._pad_table = np.arange(1 << 16, dtype=np.int64)
             self._pad_table[self.pad] = -1
         self._find_one = None  # (bucket starts, keys) as int sequences: built by _index on the first lookup
+        self._compiled = None  # data/_draft_lookup.c's Table over the same sections, also built by _index
         self._hot = None
 
     # -- identity -----------------------------------------------------------------------------
@@ -204,6 +213,13 @@ class DraftFile:
         # bucket b: [bucket[b], bucket[b+1])
         self._window = np.arange(max(1, int(per.max())))  # offsets into a bucket, up to the widest
         self._find_one = (_as_ints(self._bucket), _as_ints(self.keys))
+        if _CompiledTable is None and self.use_compiled:
+            warnings.warn("draft-file lookups run on the numpy reference (3-10x slower): data/_draft_lookup.c was not "
+                          "compiled; install a C compiler and the Python headers, then `pip install -e .`", stacklevel=3)
+        if _CompiledTable is not None and self.use_compiled:
+            self._compiled = _CompiledTable(self.keys, self._bucket, self._shift, self.key_orders, self.key_totals,
+                                            self.key_offsets, self.entry_tokens, self.entry_counts, self.orders,
+                                            self.pad)
 
     def _find(self, key: int) -> int:
         """Index of one key in the key array, or -1."""
@@ -213,10 +229,20 @@ class DraftFile:
         i = bisect.bisect_left(keys, key, lo, hi)
         return i if i < hi and keys[i] == key else -1
 
+    use_compiled = True  # False: the numpy reference answers (tests compare the two)
+
     def lookup(self, context) -> Candidates | None:
         """All candidates for one context (newest token last), longest matching order first; None if none."""
         if self._find_one is None:
             self._index()
+        if self._compiled is not None:
+            shape = (self.header["continuations"], self.max_len)
+            tokens, counts = np.empty(shape, np.int64), np.empty(shape, np.int64)
+            found = self._compiled.lookup(context, tokens, counts)
+            if found is None:
+                return None
+            order, n, total = found
+            return Candidates(order, tokens[:n], counts[:n], total)
         tail = context[-self.orders[-1]:]
         ctx = tail.tolist() if hasattr(tail, "tolist") else [int(t) for t in tail]
         n, steps, h = len(ctx), [], SEED
@@ -258,11 +284,11 @@ class DraftFile:
         window = lo[:, None] + self._window  # [B * n_orders, widest bucket]
         np.minimum(window, self.n_keys - 1, out=window)
         hit = self.keys[window] == flat[:, None] if self.n_keys else np.zeros(window.shape, bool)
-        found = hit.any(1).reshape(B, -1) & (keys != 0)  # [B, n_orders]
+        found = hit.any(1).reshape(B, len(self.orders)) & (keys != 0)  # [B, n_orders]
         from_longest = found[:, ::-1].argmax(1)  # 0 where nothing matched: checked below
         longest = len(self.orders) - 1 - from_longest
         rows = np.arange(B)
-        idx = lo.reshape(B, -1)[rows, longest] + hit.argmax(1).reshape(B, -1)[rows, longest]
+        idx = lo.reshape(B, len(self.orders))[rows, longest] + hit.argmax(1).reshape(B, len(self.orders))[rows, longest]
         miss = ~found[rows, longest]
         idx[miss] = -1
         order = self._orders_array[longest]
@@ -279,8 +305,17 @@ class DraftFile:
         prefix counts [B, m, L] (0 = none), order [B] (0 = no key), total [B].
 
         With a hot table (place_hot) its keys are answered from device tensors, the rest from the memmap."""
-        idx, order, hot = self.find_keys(context)
         m = self.header["continuations"]
+        if self._find_one is None:
+            self._index()
+        if self._compiled is not None and self._hot is None:
+            context = np.ascontiguousarray(context, dtype=np.int64)
+            B = len(context)
+            tokens, counts = np.empty((B, m, self.max_len), np.int64), np.empty((B, m, self.max_len), np.int64)
+            order, totals = np.empty(B, np.int64), np.empty(B, np.int64)
+            self._compiled.lookup_batch(context, tokens, counts, order, totals)
+            return Candidates(order, tokens, counts, totals)
+        idx, order, hot = self.find_keys(context)
         tokens = np.full((len(idx), m, self.max_len), -1, np.int64)
         counts = np.zeros((len(idx), m, self.max_len), np.int64)
         totals = np.zeros(len(idx), np.int64)

@@ -1,5 +1,5 @@
 """Draft-file benchmark: build throughput and memory at several corpus sizes with the 1B-token extrapolation,
-file size, coverage, lookup latency (single and batched), hot/cold hit rates, tau.
+file size, coverage, lookup latency (single and batched; compiled and numpy reference), hot/cold hit rates, tau.
 
     # the measurement, on 2 idle cores (~10 min; the first run also writes the corpus, ~1 min): builds of
     # ~25M, ~50M and ~100M tokens at min-count 2, then lookups and hot/cold placement on the largest file
@@ -9,6 +9,8 @@ file size, coverage, lookup latency (single and batched), hot/cold hit rates, ta
     RAYON_NUM_THREADS=1 OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python -m eval.draft_file_bench \
         --out outputs/draft_file/dev.dfl --tokens 25e6,50e6 --threads 1 > outputs/draft_file/bench_1core.json
     # --coverage C sizes each table for validation coverage C instead (a second count pass per build)
+    # lookups alone on a file built before (compiled and numpy reference, same contexts):
+    python -m eval.draft_file_bench --latency-only --out outputs/draft_file/big.dfl
     # tau on HumanEval (code) and MT-bench (chat), K = 4 and 8, prompt lookup alone vs file + prompt lookup:
     python -m eval.draft_file_bench --tau-only --out outputs/draft_file/big.dfl --tau-limit 8 --max-new 64
     # or through eval.acceptance ("draft_file" is registered in inference/sources/__init__.py; the bench
@@ -163,6 +165,15 @@ def latency(f: DraftFile, ctx: np.ndarray, batch: int = 64, repeats: int = 2000)
             f"batch{batch}_p50_us_per_context": round(us(batched, 50) / batch, 2)}
 
 
+def lookup_latencies(f: DraftFile, contexts: int) -> dict:
+    """Lookup latency of the compiled lookups and of their numpy reference (data/draft_file.py), same contexts."""
+    ctx = validation_contexts(f, contexts)
+    reference = DraftFile(f.path, verify=False)
+    reference.use_compiled = False
+    return {"latency_cpu": latency(f, ctx), "latency_cpu_numpy_reference": latency(reference, ctx),
+            "compiled_lookups": f._compiled is not None}
+
+
 def hot_cold(path: Path, ctx: np.ndarray, fractions=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0), device="cpu") -> list[dict]:
     rows = []
     for x in fractions:
@@ -233,6 +244,7 @@ def main(argv=None) -> None:
     ap.add_argument("--contexts", type=int, default=8192, help="validation contexts for latency / hot-cold")
     ap.add_argument("--tau", action="store_true", help="also measure tau with SmolLM2 (minutes)")
     ap.add_argument("--tau-only", action="store_true", help="skip the build, measure tau with an existing --out")
+    ap.add_argument("--latency-only", action="store_true", help="skip the build, time lookups in an existing --out")
     ap.add_argument("--tau-limit", type=int, default=8, help="prompts per set")
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="build workers and torch threads")
@@ -241,7 +253,9 @@ def main(argv=None) -> None:
     out = Path(args.out)
     write_humaneval_prompts(out.parent / "humaneval.jsonl")
     result = {"bench": "draft_file", "threads": args.threads}
-    if not args.tau_only:
+    if args.latency_only:
+        result.update(lookup_latencies(DraftFile(out), args.contexts))
+    elif not args.tau_only:
         tokenizer, name, vocab = load_tokenizer(args.target)
         corpus = write_corpus(out.parent / "corpora" / "all.jsonl", [Path(p) for p in args.code_roots.split(",")])
         sizes = sorted(float(t) for t in args.tokens.split(","))
@@ -269,9 +283,8 @@ def main(argv=None) -> None:
                                             "val_hit_rate", "val_coverage", "per_order")}
         result["coverage_curve"] = [{k: c[k] for k in ("min_count", "table_bytes_bound", "hit_rate", "coverage")}
                                     for c in f.header["validation"]["curve"]]
-        ctx = validation_contexts(f, args.contexts)
-        result["latency_cpu"] = latency(f, ctx)
-        result["hot_cold"] = hot_cold(out, ctx)
+        result.update(lookup_latencies(f, args.contexts))
+        result["hot_cold"] = hot_cold(out, validation_contexts(f, args.contexts))
         print(json.dumps({k: result[k] for k in ("builds", "extrapolated", "latency_cpu")}), file=sys.stderr)
     if args.tau or args.tau_only:
         result["tau"] = tau(out, args.tau_limit, args.max_new, threads=args.threads)

@@ -208,6 +208,43 @@ def test_batched_lookup_and_hot_table_agree_with_single(tmp_path):
     assert shares[0] < shares[1] < shares[2] == 1.0
 
 
+@pytest.mark.parametrize("vocab_size", [None, 70_000])  # 16-bit and 32-bit token sections
+def test_compiled_lookups_equal_the_numpy_reference(tmp_path, vocab_size):
+    from data import draft_file
+
+    assert draft_file._CompiledTable is not None, (
+        "data/_draft_lookup.c was not compiled: install a C compiler and the Python headers, then `pip install -e .`")
+    out = tmp_path / "a.dfl"
+    build([str(write_corpus(tmp_path, "c", 10))], TOK, out, target_name="tiny-random-llama",
+          vocab_size=vocab_size or len(TOK), validation=0.0, log=lambda *_: None, min_count=1)
+    compiled, reference = DraftFile(out), DraftFile(out)
+    reference.use_compiled = False
+    assert compiled.entry_tokens.dtype.itemsize == (4 if vocab_size else 2)
+    ids = TOK("".join(SNIPPETS) + "print(zzz)", add_special_tokens=False)["input_ids"]
+    rng = np.random.default_rng(0)
+    ctx = np.array([[-1] * max(0, 6 - i) + ids[max(0, i - 6): i] for i in range(len(ids))])  # [B, 6], row 0 empty
+    ctx[rng.random(ctx.shape) < 0.05] = -1  # missing tokens inside a context cut it there
+    for rows in (ctx, ctx[:1], ctx[:0], ctx[:, -2:]):  # shorter than the longest order too
+        got, want = compiled.lookup_batch(rows), reference.lookup_batch(rows)
+        for name in ("order", "total", "tokens", "prefix_counts"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+            assert getattr(got, name).dtype == getattr(want, name).dtype
+    answered = 0
+    for row in ctx:
+        tail = row[np.flatnonzero(np.r_[True, row < 0])[-1]:][1:] if (row < 0).any() else row
+        for form in (tail, tail.tolist(), tail.astype(np.int32), tail.astype(np.uint16)):
+            got, want = compiled.lookup(form), reference.lookup(tail)
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert (got.order, got.total) == (want.order, want.total)
+                np.testing.assert_array_equal(got.tokens, want.tokens)
+                np.testing.assert_array_equal(got.prefix_counts, want.prefix_counts)
+                answered += 1
+    assert answered > 100
+    with pytest.raises(TypeError, match="1-d array of integer token ids"):
+        compiled.lookup(np.array([1.5, 2.0]))
+
+
 def test_merge_of_two_halves_equals_build_of_whole(tmp_path):
     a, b = write_corpus(tmp_path, "a", 6, seed=1), write_corpus(tmp_path, "b", 6, seed=2)
     build_tiny([a, b], tmp_path / "whole.dfl", min_count=2, validation=0.2)
