@@ -5,6 +5,8 @@
 
 A point is any directory below with a run_report.json. Its label is the settings that differ between the points
 (from each resolved_config.yaml); its score the trained head's τ at the first K and temperature of its τ table.
+Points without a τ table (eval.limit=0: a cheap sweep) rank after those with one, by the kept head's held-out chain
+τ (`val_tau_chain` at the kept step; the column shows it for every point).
 Writes sweep_summary.md and PNGs (τ per point, validation curves, acceptance per position) into the sweep directory
 (or --out), prints the table, then ONE JSON line.
 """
@@ -47,14 +49,24 @@ def collect(root: Path) -> list[dict]:
             if (run / "metrics.jsonl").is_file() else []
         validation = [r for r in rows if "val_loss" in r and r["stage"] == "soft_label"]
         acceptance = [float(a) for a in head[0]["acceptance"].split() if a != "-"] if head else []
+        kept = next((json.loads(p.read_text()) for p in (run / "head_soft_label" / "metrics.json",
+                                                         run / "head" / "metrics.json") if p.is_file()), {})
+        last = validation[-1] if validation else {}
         points.append({"run": str(run), "label": ", ".join(f"{k.split('.')[-1]}={config.get(k)}" for k in varying)
                        or run.name, "settings": {k: config.get(k) for k in varying},
                        "tau": head[0]["tau"] if head else None, "k": head[0]["k"] if head else None,
-                       "val_tau_est": validation[-1].get("val_tau_est") if validation else None,
-                       "val_tau_chain": validation[-1].get("val_tau_chain") if validation else None,
+                       "val_tau_est": kept.get("best_val_tau_est", last.get("val_tau_est")),
+                       "val_tau_chain": kept.get("best_val_tau_chain", last.get("val_tau_chain")),
                        "best_val_loss": min((v["val_loss"] for v in validation), default=None),
                        "acceptance": acceptance, "validation": validation})
-    return sorted(points, key=lambda p: -(p["tau"] if p["tau"] is not None else float("-inf")))
+    return sorted(points, key=_rank)
+
+
+def _rank(point: dict) -> tuple:
+    """τ first; without a τ table, the kept head's held-out chain τ; with neither, last."""
+    if point["tau"] is not None:
+        return 0, -point["tau"]
+    return (1, -point["val_tau_chain"]) if point["val_tau_chain"] is not None else (2, 0)
 
 
 def main(argv=None) -> None:

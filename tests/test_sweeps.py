@@ -60,6 +60,30 @@ def test_the_summary_ranks_the_points_and_draws_them(multirun):
     assert "| rank | label |" in (root / "sweep_summary.md").read_text()
 
 
+def test_points_without_a_tau_table_rank_by_the_kept_heads_chain(tmp_path):
+    from eval.sweep_summary import collect
+
+    def point(name, lr, tau=None, kept_chain=None, last_chain=None):
+        run = tmp_path / name
+        (run / "head_soft_label").mkdir(parents=True)
+        (run / "resolved_config.yaml").write_text(yaml.safe_dump({"train": {"lr": lr}}))
+        (run / "run_report.json").write_text(json.dumps({"eval": [{"source": "head", "tau": tau, "k": 5,
+                                                                   "acceptance": "0.5"}] if tau else []}))
+        (run / "metrics.jsonl").write_text(json.dumps({"stage": "soft_label", "step": 10, "val_loss": 1.0,
+                                                       "val_tau_chain": last_chain}) + "\n")
+        if kept_chain is not None:
+            (run / "head_soft_label" / "metrics.json").write_text(json.dumps({"best_val_tau_chain": kept_chain}))
+
+    point("a", 1e-3, kept_chain=1.30, last_chain=1.25)  # the kept step's chain, not the last validation's
+    point("b", 2e-3, tau=1.40)
+    point("c", 3e-3, kept_chain=1.35)
+    point("d", 4e-3)
+    point("e", 5e-3, tau=1.50)
+    points = collect(tmp_path)
+    assert [p["label"] for p in points] == ["lr=0.005", "lr=0.002", "lr=0.003", "lr=0.001", "lr=0.004"]
+    assert [p["val_tau_chain"] for p in points[2:]] == [1.35, 1.30, None]
+
+
 def test_a_wandb_offline_run_holds_the_final_tau(tmp_path):
     pytest.importorskip("wandb")
     r = _distill("+experiment=smoke", f"output_dir={tmp_path}", "train.wandb=true", *SMALL,
