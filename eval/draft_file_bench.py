@@ -43,6 +43,7 @@ import torch
 from data.draft_file import DraftFile
 from data.draft_file_build import build, load_tokenizer, stats
 from data.draft_file_tokenize import batch_encoder
+from eval.machine import machine_info
 
 STDLIB = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")  # its site-packages included
 
@@ -252,7 +253,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     write_humaneval_prompts(out.parent / "humaneval.jsonl")
-    result = {"bench": "draft_file", "threads": args.threads}
+    result = {"bench": "draft_file", "threads": args.threads, "machine": machine_info()}
     if args.latency_only:
         result.update(lookup_latencies(DraftFile(out), args.contexts))
     elif not args.tau_only:

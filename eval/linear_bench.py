@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from eval.machine import machine_info
 from inference.llama import linear, pack_for_cpu
 
 HIDDEN, INTERMEDIATE, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    machine = machine_info()
     shapes = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
               (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS + [(VOCAB, HIDDEN)]
     dense = [torch.randn(o, i) * 0.02 for o, i in shapes]
@@ -54,7 +56,7 @@ def main() -> None:
     for name, values in ms.items():
         print(f"{name:18s}" + "".join(f"{v:8.1f}" for v in values))
     print(json.dumps({"bench": "linear", "threads": args.threads, "rows": rows, "ms_per_forward": ms,
-                      "linears": len(shapes), "parameters": sum(o * i for o, i in shapes)}))
+                      "linears": len(shapes), "parameters": sum(o * i for o, i in shapes), "machine": machine}))
 
 
 if __name__ == "__main__":

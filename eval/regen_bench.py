@@ -22,6 +22,7 @@ import torch
 from data.chat import prompt_ids
 from data.readers import ReadStats, read_conversations
 from data.regenerate import _user_turns, regenerate
+from eval.machine import machine_info
 from models.target import load_target
 
 
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hf", action="store_true", help="also time HF generate (float32) on the same records")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    machine = machine_info()
     target = load_target()
     convs = list(itertools.islice(read_conversations("sharegpt", None, ReadStats()), args.records))
     with tempfile.TemporaryDirectory() as d:
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
                           max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype)
     report = {"bench": "regen", "records": ours["records"], "batch": args.batch, "threads": args.threads,
               "max_new": args.max_new, "new_tokens": ours["new_tokens"], "seconds": ours["seconds"],
-              f"runtime_{args.dtype}": ours["tokens_per_s"]}
+              f"runtime_{args.dtype}": ours["tokens_per_s"], "machine": machine}
     if args.hf:
         hf = hf_generate_tokens_per_s(target, convs, args.max_new, args.batch, args.max_prompt_tokens)
         report.update({"hf_float32": round(hf, 1), "ratio": round(ours["tokens_per_s"] / hf, 2)})

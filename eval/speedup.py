@@ -30,6 +30,7 @@ import torch
 from data.chat import prompt_ids
 from conf.schema import at_least, check_args
 from eval.acceptance import CLI_RULES, load_prompts, parse_categories
+from eval.machine import machine_info
 from inference.runtime import Runtime
 from inference.stats import DecodeStats
 from inference.threads import CompetingLoad, available_threads
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
 def _run(args: argparse.Namespace) -> tuple[dict, bool]:
     args.threads = available_threads(args.threads)  # resolved after the load started: it sees the busy cores
     torch.set_num_threads(args.threads)
+    machine = machine_info()  # as the benchmark sees it: under --load, the loaded machine
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
@@ -221,6 +223,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, bool]:
         "dynamic_k": args.dynamic_k, "prefix": args.prefix, "batch": args.batch,
         "max_new": args.max_new, "prompts": len(prompts), "repeats": args.repeats, "threads": args.threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"), "competing_load": args.load,
+        "machine": machine,
         "kv_cache_bytes": rt.kv_cache_bytes,
         "verify_ms": {n: round(s * 1000, 2) for n, s in zip(cost.sizes, cost.seconds)},
         "verify_cost_ratio_k": round(cost(args.k + 1) / cost(1), 3),

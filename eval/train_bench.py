@@ -25,6 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conf.schema import Config
+from eval.machine import machine_info
 from eval.speedup import RANDOM_TARGET, random_smollm2_shape
 from models.errors import DraftheadsError, exit_on_error
 from models.target import load_target
@@ -88,6 +89,7 @@ def run(args) -> dict:
     from train.trainer import _initial_head, train_draft
 
     torch.set_num_threads(args.threads)
+    machine = machine_info()
     cfg = config(args)
     accelerator = make_accelerator(cfg.accelerate, cfg.train, args.device)
     device = str(accelerator.device)
@@ -116,7 +118,7 @@ def run(args) -> dict:
             "peak_memory_gib": round(peak / 2**30, 3), "peak_kind": "max_memory_allocated" if args.device != "cpu"
             else "process peak RSS", "plan_gib": {k: round(v / 2**30, 3) for k, v in est.items()},
             "plan_total_gib": round(sum(est.values()) / 2**30, 3),
-            "other_load": os.environ.get("DRAFTHEADS_BENCH_NOTE", "not recorded")}
+            "other_load": os.environ.get("DRAFTHEADS_BENCH_NOTE", "not recorded"), "machine": machine}
 
 
 def main(argv=None) -> None:
