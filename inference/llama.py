@@ -52,10 +52,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 # outputs at 128 tokens): its softmax sums keys in vectorised lanes, so a key's slot changes the rounding. float32
 # GEMMs here round a row the same for any row count >= GEMM_MIN_ROWS (1-3 rows take another kernel;
 # tests/test_runtime.py checks the equality), so decoding pads its query rows up to that.
-# The key span is rounded up to SPAN_BLOCK (fewer distinct shapes; static ones for CUDA graphs). Not below 512: a
-# float32 GEMM summing K <= 256 keys rounds differently from one summing K >= 384 (this CPU's oneDNN), so a token
-# decoded at a 256-key span would not equal its verification at 384. Summing over 128-key chunks restores equality
-# but was not measurably faster (session 7: 100-700 keys, batch 1, bf16).
+# The key span is rounded up to SPAN_BLOCK (fewer distinct shapes; static ones for CUDA graphs), and the sum over
+# keys runs as one GEMM per SPAN_BLOCK keys, added in order: how a float32 GEMM splits a long sum depends on its
+# length on some CPUs (an AMX Xeon summed 1024 and 1536 keys differently, so a tree verified across a span boundary
+# missed its decoded output by an ulp; one AMD CPU did the same for <= 256 against >= 384 keys), so every sum is
+# over exactly SPAN_BLOCK keys (the last block of a static cache excepted: decode and verify share it). Blocks of
+# 128 keys were tried for short spans: equal, but not measurably faster (session 7: 100-700 keys, batch 1, bf16).
 # Work that needs no equality (regenerating training data) passes row_invariant=False: no padding, real span, and
 # the softmax's own sum.
 QUERY_BLOCK = 16
@@ -92,7 +94,10 @@ def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, exac
     scores = (q.float().reshape(B, kvh, g * rows, hd) @ keys.float().transpose(-1, -2)) * hd**-0.5
     scores = scores.masked_fill(~visible, float("-inf"))
     weights = (scores - scores.amax(-1, keepdim=True)).exp()
-    acc = weights @ torch.cat([values.float(), values.new_ones(B, kvh, S, 1, dtype=torch.float32)], -1)
+    values = torch.cat([values.float(), values.new_ones(B, kvh, S, 1, dtype=torch.float32)], -1)
+    acc = weights[..., :SPAN_BLOCK] @ values[:, :, :SPAN_BLOCK]
+    for a in range(SPAN_BLOCK, S, SPAN_BLOCK):  # one GEMM per SPAN_BLOCK keys, added in order (see SPAN_BLOCK)
+        acc = acc + weights[..., a: a + SPAN_BLOCK] @ values[:, :, a: a + SPAN_BLOCK]
     out = (acc[..., :hd] / acc[..., hd:]).view(B, nh, rows, hd)[:, :, :T]
     return out.to(q.dtype)
 

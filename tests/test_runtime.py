@@ -345,22 +345,24 @@ def test_first_source_falls_back_and_stays_lossless(tiny_target):
         build_source("first:prompt_lookup", tiny_target)
 
 
-def test_matmul_attention_ignores_where_the_keys_sit():
+@pytest.mark.parametrize("L", [300, 480, 700, 1000])  # the tree's span one SPAN_BLOCK longer than the decode's
+def test_matmul_attention_ignores_where_the_keys_sit(L):
     """A query decoded alone (its keys contiguous, 1 row) gets bitwise the output it gets as row j of a 9-row tree
     verification whose ancestors sit at scattered slots, with a longer span and other rows around it (bfloat16)."""
-    from inference.llama import GEMM_MIN_ROWS, matmul_attention
+    from inference.llama import GEMM_MIN_ROWS, SPAN_BLOCK, matmul_attention
 
     g = torch.Generator().manual_seed(0)
-    nh, kvh, hd, L, dt = 9, 3, 64, 300, torch.bfloat16
+    nh, kvh, hd, dt = 9, 3, 64, torch.bfloat16
     rows = -(-GEMM_MIN_ROWS // (nh // kvh))
     keys, values = (torch.randn(1, kvh, L + 4, hd, generator=g).to(dt) for _ in range(2))
     q = torch.randn(1, nh, 1, hd, generator=g).to(dt)
-    alone_mask = torch.zeros(1, 1, 1, 512, dtype=torch.bool)
+    span = -(-(L + 4) // SPAN_BLOCK) * SPAN_BLOCK
+    alone_mask = torch.zeros(1, 1, 1, span, dtype=torch.bool)
     alone_mask[..., : L + 4] = True
     pad_keys = lambda t, S: torch.cat([t, torch.zeros(1, kvh, S - t.shape[2], hd, dtype=dt)], 2)  # noqa: E731
-    alone = matmul_attention(q, pad_keys(keys, 512), pad_keys(values, 512), alone_mask, rows)
+    alone = matmul_attention(q, pad_keys(keys, span), pad_keys(values, span), alone_mask, rows)
 
-    T, S, slots = 9, 1024, [1, 4, 5, 8]  # the last 4 keys (3 ancestors + itself) at new-token slots 1, 4, 5, 8
+    T, S, slots = 9, span + SPAN_BLOCK, [1, 4, 5, 8]  # the last 4 keys (3 ancestors + itself) at new-token slots
     k_tree, v_tree = (torch.randn(1, kvh, S, hd, generator=g).to(dt) for _ in range(2))
     k_tree[:, :, :L], v_tree[:, :, :L] = keys[:, :, :L], values[:, :, :L]
     mask = torch.ones(1, 1, T, S, dtype=torch.bool).tril(L)  # other rows: a chain over the committed keys
