@@ -32,15 +32,24 @@ def pack_for_cpu(weight: Tensor) -> Tensor:
     return weight.detach().to_mkldnn()
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, row_block: int | None = None) -> Tensor:
     """F.linear on a dense weight, oneDNN's inner product on one packed by `pack_for_cpu`.
 
-    On CPU a 1-row input takes a GEMV kernel whose sums round differently from the GEMM that 2+ rows take, while
-    2+ rows give bitwise the same row whatever their number. In bfloat16 that difference flips greedy tokens, so a
-    1-row bfloat16 input goes through as 2 rows (oneDNN's bf16 GEMM costs the same for 1 and 2 rows) and decoding a
-    token alone equals verifying it among drafts. float32 keeps GEMV (much cheaper than 2 rows; differences ~1e-6)."""
-    if x.device.type == "cpu" and x.dtype != torch.float32 and x.numel() == x.shape[-1]:
-        return linear(torch.cat([x, x], dim=-2), weight, bias)[..., :1, :]
+    On CPU a 1-row input takes a GEMV kernel whose sums round differently from the GEMM that 2+ rows take. In
+    bfloat16 that difference flips greedy tokens, so a 1-row bfloat16 input goes through as 2 rows (oneDNN's bf16 GEMM
+    costs the same for 1 and 2 rows) and decoding a token alone equals verifying it among drafts. float32 keeps GEMV
+    (much cheaper than 2 rows; differences ~1e-6). Nor is a bf16 GEMM's row the same for every row count on every
+    CPU: on an AMX Xeon, 33+ rows of SmolLM2's gate/up and LM-head GEMMs rounded differently from 2-32 (an AMD CPU
+    gave every count of 2+ the same row), so row_block (decode and verify) runs bf16 inputs in blocks of at most
+    that many rows."""
+    if x.device.type == "cpu" and x.dtype != torch.float32:
+        rows = x.numel() // x.shape[-1]
+        if rows == 1:
+            return linear(torch.cat([x, x], dim=-2), weight, bias)[..., :1, :]
+        if row_block is not None and rows > row_block:
+            flat = x.reshape(rows, x.shape[-1])
+            out = torch.cat([linear(flat[a: a + row_block], weight, bias) for a in range(0, rows, row_block)])
+            return out.view(*x.shape[:-1], out.shape[-1])
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -63,6 +72,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 QUERY_BLOCK = 16
 SPAN_BLOCK = 512
 GEMM_MIN_ROWS = 8
+ROW_BLOCK = 32  # bf16 decode / verify GEMMs run in blocks of at most this many rows (see `linear`)
 
 
 def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, exact_rows: int | None = None) -> Tensor:
@@ -120,6 +130,7 @@ class LlamaForward:
     def __init__(self, target: Target, pack_weights: bool = True, row_invariant: bool = True):
         self.target = target
         self.row_invariant = row_invariant  # False: faster decoding, not bitwise equal to verification
+        self._row_block = None  # ROW_BLOCK during a row-invariant decode / verify forward (set by forward)
         hf = target.model.model
         cfg = target.model.config
         if not runtime_supports(target):
@@ -158,9 +169,9 @@ class LlamaForward:
                    rows: Tensor, slots: Tensor, span: int, mask: Tensor) -> Tensor:
         _, q_proj, k_proj, v_proj, o_proj = self.layers[layer][:5]
         B, T, _ = x.shape
-        q = linear(x, *q_proj).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
-        k = linear(x, *k_proj).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
-        v = linear(x, *v_proj).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self._linear(x, *q_proj).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
+        k = self._linear(x, *k_proj).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
+        v = self._linear(x, *v_proj).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin  # cos, sin [B, 1, T, hd]
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer, k, v, rows, slots, span)  # [B, kvh, S, hd]
@@ -170,11 +181,14 @@ class LlamaForward:
         else:  # prefill: SDPA's fused kernels
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                                  enable_gqa=self.kv_heads != self.num_heads)  # [B, nh, T, hd]
-        return linear(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim), *o_proj)
+        return self._linear(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim), *o_proj)
+
+    def _linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return linear(x, weight, bias, self._row_block)
 
     def _mlp(self, layer: int, x: Tensor) -> Tensor:
         gate, up, down = self.layers[layer][6:]
-        return linear(F.silu(linear(x, *gate)) * linear(x, *up), *down)
+        return self._linear(F.silu(self._linear(x, *gate)) * self._linear(x, *up), *down)
 
     @torch.no_grad()
     def forward(
@@ -194,6 +208,7 @@ class LlamaForward:
         span = cache.span(slots)
         if self.row_invariant and T <= QUERY_BLOCK and not cache.static:
             span = min(cache.max_len, -(-span // SPAN_BLOCK) * SPAN_BLOCK)
+        self._row_block = ROW_BLOCK if self.row_invariant and T <= QUERY_BLOCK else None
         tree_mask_given = tree_mask is not None
         if tree_mask is None:
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril().expand(B, T, T)
@@ -217,7 +232,7 @@ class LlamaForward:
         if compute_logits:
             picked = final if logits_at is None else torch.gather(
                 final, 1, logits_at[..., None].expand(-1, -1, final.shape[-1]))
-            logits = linear(picked, *self.lm_head)  # [B, T or T', V]
+            logits = self._linear(picked, *self.lm_head)  # [B, T or T', V]
         return TargetOutput(logits, aux, final, None)
 
     __call__ = forward

@@ -345,6 +345,21 @@ def test_first_source_falls_back_and_stays_lossless(tiny_target):
         build_source("first:prompt_lookup", tiny_target)
 
 
+def test_bf16_decode_linears_give_a_row_the_same_bits_in_any_batch():
+    """A row's output of a bfloat16 decode / verify linear does not depend on how many rows share the GEMM (an AMX
+    Xeon's GEMM rounded 33+ rows differently from 2-32; ROW_BLOCK keeps every GEMM within one kernel's range)."""
+    from inference.llama import ROW_BLOCK, linear
+
+    g = torch.Generator().manual_seed(0)
+    for out_features in (1536, 8192):
+        w = (torch.randn(out_features, 576, generator=g) * 0.05).bfloat16()
+        x = torch.randn(3 * ROW_BLOCK + 1, 576, generator=g).bfloat16()
+        alone = torch.cat([linear(x[i: i + 1], w) for i in range(len(x))])
+        for n in (2, ROW_BLOCK, ROW_BLOCK + 1, 2 * ROW_BLOCK + 5, len(x)):
+            assert torch.equal(linear(x[:n], w, row_block=ROW_BLOCK), alone[:n]), n
+        assert torch.equal(linear(x[None, :40], w, row_block=ROW_BLOCK)[0], alone[:40])  # [B, T, H] inputs too
+
+
 @pytest.mark.parametrize("L", [300, 480, 700, 1000])  # the tree's span one SPAN_BLOCK longer than the decode's
 def test_matmul_attention_ignores_where_the_keys_sit(L):
     """A query decoded alone (its keys contiguous, 1 row) gets bitwise the output it gets as row j of a 9-row tree
