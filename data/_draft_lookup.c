@@ -174,7 +174,7 @@ static PyObject *Table_lookup(Table *t, PyObject *const *args, Py_ssize_t nargs)
     int n = read_context(t, args[0], newest_first);
     if (n < 0) return NULL;
     for (int i = 0; i < t->max_order; i++) row[i] = i < t->max_order - n ? -1 : newest_first[t->max_order - 1 - i];
-    if (PyObject_GetBuffer(args[1], &tok, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    if (out_buffer(args[1], &tok, 0, "tokens") < 0) return NULL;
     Py_ssize_t m = tok.len / 8 / t->max_len;
     if (out_buffer(args[2], &cnt, m * t->max_len, "counts") < 0) { PyBuffer_Release(&tok); return NULL; }
     Py_ssize_t got = find_chunk(t, row, t->max_order, 1, m, tok.buf, cnt.buf, &order, &total);

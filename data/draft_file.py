@@ -213,10 +213,10 @@ class DraftFile:
         # bucket b: [bucket[b], bucket[b+1])
         self._window = np.arange(max(1, int(per.max())))  # offsets into a bucket, up to the widest
         self._find_one = (_as_ints(self._bucket), _as_ints(self.keys))
-        if _CompiledTable is None and self.use_compiled:
+        if self.use_compiled and _CompiledTable is None:
             warnings.warn("draft-file lookups run on the numpy reference (3-10x slower): data/_draft_lookup.c was not "
                           "compiled; install a C compiler and the Python headers, then `pip install -e .`", stacklevel=3)
-        if _CompiledTable is not None and self.use_compiled:
+        elif self.use_compiled:
             self._compiled = _CompiledTable(self.keys, self._bucket, self._shift, self.key_orders, self.key_totals,
                                             self.key_offsets, self.entry_tokens, self.entry_counts, self.orders,
                                             self.pad)

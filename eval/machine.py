@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from train.distributed import cpu_bf16_instructions
+
 
 def _best_seconds(fn, budget_s: float = 0.2) -> float:
     """The fastest of repeated calls within about budget_s, after as long of warm-up calls (the first calls in a
@@ -41,16 +43,7 @@ def _cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return set()
-
-
 def machine_info() -> dict:
-    flags = _cpu_flags()
     m, k, n = 64, 576, 1536
     gemm = {}
     for dtype in (torch.bfloat16, torch.float32):
@@ -68,7 +61,7 @@ def machine_info() -> dict:
 
     return {"cpu": _cpu_model(), "cpus_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "bf16_isa": [f for f in ("avx512_bf16", "amx_bf16") if f in flags],
+            "bf16_isa": cpu_bf16_instructions(),
             "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
             "bf16_gemm_gflops": gemm[torch.bfloat16], "fp32_gemm_gflops": gemm[torch.float32],
