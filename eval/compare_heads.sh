@@ -13,10 +13,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_WAIT_POLICY=PASSIVE  # spin-waiting threads thrash 2 cores when anything else runs
-# glibc keeps the freed buffers of steps whose shapes vary: 8-10 GB per training rank on the 1M data (a rank was
-# OOM-killed with the test suite beside it); a fixed mmap threshold returns every buffer over 4 MB at once (~2 GB
-# per rank)
-export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-4194304}
+# memory: train.distill reuses freed blocks and returns the heap's free pages every log window
+# (inference/host_memory.py); a MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ set here would override that
 PY=${PY:-.venv/bin/python}
 SCALE=${SCALE:-}
 SUFFIX=${SCALE:+_$SCALE}

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from inference import host_memory
 from train.distributed import cpu_bf16_instructions
 
 
@@ -63,7 +64,7 @@ def machine_info() -> dict:
             else os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "bf16_isa": cpu_bf16_instructions(),
             "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"), "malloc": host_memory.policy(),
             "bf16_gemm_gflops": gemm[torch.bfloat16], "fp32_gemm_gflops": gemm[torch.float32],
             "copy_gbps": round(copy_gbps, 1), "python_ns_per_iter": round(_best_seconds(loop) / 100_000 * 1e9, 1),
             "torch": torch.__version__}

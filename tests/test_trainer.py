@@ -488,3 +488,23 @@ def test_a_finished_run_recorded_before_an_option_existed_still_resumes(tmp_path
     check_settings(path, now, "the head")
     with pytest.raises(DraftheadsError, match="train.length_grouped: False there, True now"):
         check_settings(path, {**now, "train.length_grouped": True}, "the head")
+
+
+def test_the_target_lm_head_rows_are_made_once_in_the_matmul_dtype():
+    """The loss reads the target's LM head restricted to the draft vocabulary for every chunk of rows: made once,
+    cast to autocast's dtype when it is on, and made again when the ids or the weight change."""
+    from train.trainer import lm_head_rows
+
+    lm = torch.nn.Linear(8, 10, bias=False)
+    ids = torch.tensor([3, 1, 7])
+    w, b = lm_head_rows(lm, ids, "cpu")
+    assert b is None and torch.equal(w, lm.weight[ids])
+    assert lm_head_rows(lm, ids.clone(), "cpu")[0] is w  # same ids: the same tensor, not a new gather
+    assert torch.equal(lm_head_rows(lm, torch.tensor([2, 1, 7]), "cpu")[0], lm.weight[[2, 1, 7]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        wb, _ = lm_head_rows(lm, ids, "cpu")
+    assert wb.dtype == torch.bfloat16 and torch.equal(wb, lm.weight[ids].bfloat16())
+    with torch.no_grad():
+        lm.weight[1].add_(1.0)  # changed in place: the cached rows are stale
+    assert torch.equal(lm_head_rows(lm, ids, "cpu")[0], lm.weight[ids])
+    assert torch.equal(lm_head_rows(lm, None, "cpu")[0], lm.weight)

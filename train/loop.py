@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from inference.host_memory import release_freed_memory
 from models.errors import DraftheadsError
 from models.files import write_atomic
 from train.temperature import temperature_at
@@ -309,6 +310,7 @@ def _steps(accelerator, model, optimizer, stage: Stage, tc, log: RunLog, shard: 
                       "tokens_per_s": round(means.pop("tokens", 0) / max(elapsed, 1e-9), 1),
                       **{k: round(v, 1 if k.endswith("_ms") else 4) for k, v in means.items()}}
             log.write(logged)
+            release_freed_memory()  # what this window's shapes left in the heap (inference/host_memory.py)
             bar.set_postfix(loss=logged["loss"])
             window, t0 = Tally(), time.perf_counter()
         if stage.validate is not None and (step % tc.eval_every == 0 or step == stage.steps):
