@@ -30,7 +30,6 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from inference.host_memory import release_freed_memory
 from inference.sampling import greedy_tokens
 from models.errors import DraftheadsError
 from models.files import write_atomic
@@ -105,7 +104,6 @@ def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out
                 _digest_update(digest, b["input_ids"], b["loss_mask"])
             _write_shard(out, manifest, buffer, digest.hexdigest(), prefix)
             write_atomic(mpath, json.dumps(manifest, indent=1))
-            release_freed_memory()
     manifest["complete"] = True
     write_atomic(mpath, json.dumps(manifest, indent=1))
     elapsed = time.perf_counter() - t0

@@ -27,7 +27,6 @@ from tqdm import tqdm
 
 from data.chat import prompt_ids
 from data.readers import Conversation
-from inference.host_memory import release_freed_memory
 from inference.runtime import Runtime
 from inference.sampling import SamplingConfig
 from models.errors import DraftheadsError
@@ -125,7 +124,6 @@ def regenerate(
             new_tokens += n_new
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records if r["id"] not in done))
             f.flush()
-            release_freed_memory()  # batches differ in shape: bound what they leave in the heap
     elapsed = time.perf_counter() - t0
     return {"records": sum(map(len, batches)), "skipped_long_prompt": skipped_long, "new_tokens": new_tokens,
             "seconds": round(elapsed, 2), "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1), "dtype": dtype}

@@ -23,7 +23,6 @@ import torch
 from safetensors.torch import load_file
 
 from data.features import MANIFEST, FeatureDataset, _write_shard
-from inference.host_memory import keep_freed_memory
 from models.errors import DraftheadsError, exit_on_error
 from models.files import write_atomic
 
@@ -101,7 +100,6 @@ def train_rate(ds, target, steps: int, threads: int) -> float:
                        checkpoint_every=10**9).items():
         cfg.train[key] = v
     torch.set_num_threads(threads)
-    keep_freed_memory()
     with tempfile.TemporaryDirectory() as out:
         cfg.output_dir = out
         train_draft(cfg, target, ds, out)

@@ -23,7 +23,6 @@ from data.chat import prompt_ids
 from data.readers import ReadStats, read_conversations
 from data.regenerate import _user_turns, regenerate
 from eval.machine import machine_info
-from inference.host_memory import keep_freed_memory
 from models.target import load_target
 
 
@@ -59,7 +58,6 @@ def main(argv=None) -> int:
     ap.add_argument("--hf", action="store_true", help="also time HF generate (float32) on the same records")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    keep_freed_memory()
     machine = machine_info()
     target = load_target()
     convs = list(itertools.islice(read_conversations("sharegpt", None, ReadStats()), args.records))

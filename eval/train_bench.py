@@ -27,7 +27,6 @@ from omegaconf import OmegaConf
 from conf.schema import Config
 from eval.machine import machine_info
 from eval.speedup import RANDOM_TARGET, random_smollm2_shape
-from inference.host_memory import keep_freed_memory
 from models.errors import DraftheadsError, exit_on_error
 from models.target import load_target
 
@@ -90,7 +89,6 @@ def run(args) -> dict:
     from train.trainer import _initial_head, train_draft
 
     torch.set_num_threads(args.threads)
-    keep_freed_memory()
     machine = machine_info()
     cfg = config(args)
     accelerator = make_accelerator(cfg.accelerate, cfg.train, args.device)

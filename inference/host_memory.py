@@ -1,16 +1,18 @@
 """Large CPU tensors from reused heap memory instead of fresh pages.
 
 glibc's malloc serves every block over its mmap threshold (adapted at run time, at most 32 MB) with fresh mmap'd
-pages and unmaps them on free. A training step's [1024, 8192] float32 loss temporaries and a prefill's
-[rows, 1536] MLP activations are such blocks, so each of them was page-faulted and zeroed again: a pass over 32 MB
+pages and unmaps them on free. A training step's [1024, 8192] float32 loss temporaries are such blocks, so each of
+them was page-faulted and zeroed again: a pass over 32 MB
 took ~13 ms instead of ~2 on this 2-core machine, and training ran at 560 instead of ~1000 tokens/s.
 
 keep_freed_memory() raises both thresholds so freed blocks go back to the heap and are reused. Blocks of varying sizes
 then fragment the heap (torch asks for 64-byte aligned blocks, which glibc pads, so a freed block rarely takes the
 next request of its own size): a training process grew from 3 to 7.5 GB within a 25-step window.
-release_freed_memory() returns the heap's free pages to the kernel (malloc_trim): training calls it every log window,
-regeneration and feature extraction after every batch. (Trimming whenever the resident set grew by 1 GB instead held
-training at 6.5 GB rather than 7.5 and cost 11% of its tokens/s.) A user's own MALLOC_MMAP_THRESHOLD_ /
+release_freed_memory() returns the heap's free pages to the kernel (malloc_trim); training calls it every log window.
+(Trimming whenever the resident set grew by 1 GB instead held training at 6.5 GB rather than 7.5 and cost 11% of its
+tokens/s.) Only training turns the policy on (train_draft): with it on from the start of a default run, feature
+extraction after regeneration grew to 15.7 GB of anonymous memory (4.2 GB when it ran alone), cause not found.
+The decoding benchmarks (eval.speedup, eval.acceptance) use it too. A user's own MALLOC_MMAP_THRESHOLD_ /
 MALLOC_TRIM_THRESHOLD_ wins: with either set, nothing here changes the policy.
 """
 
@@ -49,7 +51,7 @@ def keep_freed_memory() -> str:
     libc = _glibc()
     if libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES) == 1 and \
             libc.mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES) == 1:
-        _policy = f"freed blocks up to {KEEP_BYTES >> 20} MB reused, free pages returned between windows and batches"
+        _policy = f"freed blocks up to {KEEP_BYTES >> 20} MB reused"
     return _policy
 
 

@@ -42,7 +42,6 @@ def run(cfg: DictConfig) -> dict:
 
     from data.prepare import Workers, data_settings, prepare_data, ready_report
     from eval.tau_table import evaluate, log_tau, source_label
-    from inference.host_memory import keep_freed_memory
     from inference.threads import available_threads
     from models.target import load_target
     from train.distributed import die_with_launcher, make_accelerator, resolve_mixed_precision
@@ -56,7 +55,6 @@ def run(cfg: DictConfig) -> dict:
     # the machine's cores, shared by its processes (runtime.threads=0: the ones nothing else keeps busy)
     threads = max(1, available_threads(cfg.runtime.threads) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(threads)
-    keep_freed_memory()  # large CPU tensors reuse heap memory (inference/host_memory.py)
     torch.manual_seed(cfg.train.seed)
     out, d = Path(cfg.output_dir), cfg.data
     if main:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inference.host_memory import keep_freed_memory
 from inference.sampling import greedy_tokens
 from models.checkpoint import build_draft, head_from_state, load_draft, save_draft
 from models.draft_vocab import build_draft_vocab, extend_draft_vocab, token_counts
@@ -389,6 +390,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     if bad or not tc.stages:
         raise DraftheadsError(f"train.stages {list(tc.stages)} must be a non-empty list of {list(STAGES)}")
     accelerator = accelerator or make_accelerator(cfg.accelerate, tc, target.device.type)
+    keep_freed_memory()  # the loss's large temporaries reuse heap memory (inference/host_memory.py)
     main = accelerator.is_main_process
     if main:
         out.mkdir(parents=True, exist_ok=True)
