@@ -28,7 +28,6 @@ from data.chat import prompt_ids
 from data.prepare import Workers
 from conf.schema import at_least, between, check_args
 from eval.plots import plot_tau_table
-from inference.host_memory import keep_freed_memory
 from inference.threads import available_threads
 from eval.report import markdown_table, write_report
 from inference.generate import speculative_generate
@@ -184,7 +183,6 @@ def run(args: argparse.Namespace, target=None, workers: Workers = Workers()) -> 
     check_args(args, CLI_RULES)
     check_writable(args.out, "--out")
     torch.set_num_threads(available_threads(args.threads))
-    keep_freed_memory()
     prompts = load_prompts(args.prompts, parse_categories(args.categories), args.limit, args.skip)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
     if target is None:

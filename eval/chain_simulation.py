@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from eval.report import markdown_table
-from inference.host_memory import keep_freed_memory
 from models.errors import DraftheadsError, cli
 from train.chain import agreement, simulate_chain
 from train.trainer import collate, tau_estimate
@@ -62,7 +61,6 @@ def main(argv=None) -> int:
 
         holdout = int(OmegaConf.load(args.run / "resolved_config.yaml").train.holdout_sequences)
     torch.set_num_threads(args.threads)
-    keep_freed_memory()
     features = FeatureDataset(features_dir)
     if not 0 < holdout <= len(features):
         raise DraftheadsError(f"--holdout={holdout} must be in [1, {len(features)}] (a run with "

@@ -31,7 +31,6 @@ from data.chat import prompt_ids
 from conf.schema import at_least, check_args
 from eval.acceptance import CLI_RULES, load_prompts, parse_categories
 from eval.machine import machine_info
-from inference.host_memory import keep_freed_memory
 from inference.runtime import Runtime
 from inference.stats import DecodeStats
 from inference.threads import CompetingLoad, available_threads
@@ -137,7 +136,6 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
 def _run(args: argparse.Namespace) -> tuple[dict, bool]:
     args.threads = available_threads(args.threads)  # resolved after the load started: it sees the busy cores
     torch.set_num_threads(args.threads)
-    keep_freed_memory()
     machine = machine_info()  # as the benchmark sees it: under --load, the loaded machine
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
