@@ -13,11 +13,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_WAIT_POLICY=PASSIVE  # spin-waiting threads thrash 2 cores when anything else runs
-# memory: train.distill reuses freed heap blocks and returns the free pages every log window (inference/host_memory.py:
-# faster, but one default-scale training process peaked at 7.5 GB). The million-token recipes run two ranks on this
-# 24 GB machine, measured safe (1.1-2.7 GB per rank) only with every block over 4 MB mapped afresh, so SCALE=1m keeps
-# that (a MALLOC_* variable set here overrides the policy) until the policy's peak is measured there.
-if [ "${SCALE:-}" = 1m ]; then export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-4194304}; fi
+# memory: train.distill re-executes itself under mimalloc (inference/host_memory.py), which reuses freed blocks without
+# glibc's page faults or heap growth; a MALLOC_* variable or DRAFTHEADS_MALLOC=glibc set here keeps glibc.
 PY=${PY:-.venv/bin/python}
 SCALE=${SCALE:-}
 SUFFIX=${SCALE:+_$SCALE}

@@ -17,6 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from inference.host_memory import run_under_mimalloc
+
+if __name__ == "__main__":
+    run_under_mimalloc()  # the allocator train.distill runs under; before torch is imported (inference/host_memory.py)
+
 import torch
 
 from data.chat import prompt_ids

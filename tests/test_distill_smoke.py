@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from inference.host_memory import mimalloc_library
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -22,6 +24,7 @@ def test_smoke_experiment_runs_end_to_end_and_resumes(tmp_path):
     assert report["data"]["features"]["tokens"] > 0 and (tmp_path / "head" / "config.json").is_file()
     assert [row["source"] for row in report["eval"]] == ["head", "head[tree=1]", "prompt_lookup"]  # the head first
     assert all(1.0 <= row["tau"] <= 5.0 for row in report["eval"])
+    assert report["malloc"].startswith("mimalloc" if mimalloc_library() else "freed blocks")  # re-executed under it
     regenerated = (tmp_path / "data" / "regenerated.jsonl").read_text()
     rows = {p: p.read_bytes() for p in (tmp_path / "eval").glob("*/*.json")}
     assert len(rows) == 3

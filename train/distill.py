@@ -18,6 +18,12 @@ import shutil
 import sys
 from pathlib import Path
 
+from inference.host_memory import policy as malloc_policy
+from inference.host_memory import run_under_mimalloc
+
+if __name__ == "__main__":
+    run_under_mimalloc()  # first: the re-execution repeats every import made before it (torch's take seconds)
+
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -70,7 +76,8 @@ def run(cfg: DictConfig) -> dict:
     if main:
         print(f"[draftheads] target {target.name}: {target.num_layers} layers, hidden {target.hidden_size}, "
               f"vocab {target.vocab_size}, features from layers {list(target.layer_ids)}; "
-              f"{world} process(es) x {threads} thread(s), strategy {cfg.accelerate.strategy}")
+              f"{world} process(es) x {threads} thread(s), strategy {cfg.accelerate.strategy}; "
+              f"malloc: {malloc_policy()}")
     settings = data_settings(d, target.fingerprint, cfg.train.seed)
     data_dir, regenerated = data_directory(cfg, out, settings, main)
     report = {"data": ready_report(data_dir, settings)}
@@ -109,6 +116,7 @@ def run(cfg: DictConfig) -> dict:
             report["eval"] = evaluate(cfg, sources, out / "eval", target if target.parts == "all" else
                                       load(shard=False), workers, threads)
     if main:
+        report["malloc"] = malloc_policy()  # the allocator training ran with (inference/host_memory.py)
         (out / "run_report.json").write_text(json.dumps(report, indent=1))
         if wandb_run is not None:  # the sweep's metric, logged before the run closes
             log_tau(wandb_run, report.get("eval", []))
