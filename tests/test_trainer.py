@@ -508,3 +508,34 @@ def test_the_target_lm_head_rows_are_made_once_in_the_matmul_dtype():
         lm.weight[1].add_(1.0)  # changed in place: the cached rows are stale
     assert torch.equal(lm_head_rows(lm, ids, "cpu")[0], lm.weight[ids])
     assert torch.equal(lm_head_rows(lm, None, "cpu")[0], lm.weight)
+
+
+def test_tokens_per_s_counts_training_steps_only(tmp_path):
+    """A validation that takes 0.6 s falls inside the next log window: the window's tokens/s leaves it out (it used
+    to be every fourth window's dip on the default run), and the validation row says how long it took."""
+    import time
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from train.loop import RunLog, Stage, run_stage
+
+    def step_fn(model, micro, temperature):
+        time.sleep(0.02)
+        return model(torch.ones(1, 2)).sum(), {"tokens": 100}
+
+    def validate(model, shard=None):
+        time.sleep(0.6)
+        return {"val_loss": 1.0}
+
+    stage = Stage("soft_label", steps=8, lr=1e-3, warmup=1, step_fn=step_fn, ckpt_root=tmp_path / "ckpt",
+                  validate=validate)
+    tc = SimpleNamespace(grad_accum=1, max_grad_norm=0.0, weight_decay=0.0, resume=True, log_every=2, eval_every=4,
+                         checkpoint_every=100, temperature=SimpleNamespace(start=1.0, end=1.0, schedule="constant",
+                                                                           steps=None))
+    log = RunLog(tmp_path / "metrics.jsonl", main=True)
+    assert run_stage(Accelerator(cpu=True), torch.nn.Linear(2, 1), stage, tc, log)[0]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    assert len(rates) == 4 and min(rates) > 200 / 0.5, rates  # 200 tokens per ~0.05 s window; ~0.65 s with the 0.6
+    assert [r["val_s"] >= 0.6 for r in rows if "val_loss" in r] == [True, True]

@@ -313,15 +313,18 @@ def _steps(accelerator, model, optimizer, stage: Stage, tc, log: RunLog, shard: 
             release_freed_memory()  # what this window's shapes left in the heap (inference/host_memory.py)
             bar.set_postfix(loss=logged["loss"])
             window, t0 = Tally(), time.perf_counter()
+        paused = time.perf_counter()  # validation and checkpoints are not training: tokens_per_s leaves them out
         if stage.validate is not None and (step % tc.eval_every == 0 or step == stage.steps):
             metrics = _validate(model, stage, shard)
-            log.write({"stage": stage.name, "step": step, **metrics})
+            log.write({"stage": stage.name, "step": step, **metrics,
+                       "val_s": round(time.perf_counter() - paused, 2)})
             key = stage.keep_best_by if stage.keep_best_by in metrics else "val_loss"
             if stage.keep_best and _better(metrics, best, key):
                 best = {"step": step, "by": key, **{k: v for k, v in metrics.items() if k in ("val_loss", key)}}
                 _save_best(accelerator, model, stage.ckpt_root / "best", best)
         if step % tc.checkpoint_every == 0 or step == stage.steps:
             _save_checkpoint(accelerator, stage.ckpt_root, step)
+        t0 += time.perf_counter() - paused
         if sleep:
             time.sleep(sleep)
         if stop_at_step is not None and step >= stop_at_step:  # tests: simulate a kill after this step
