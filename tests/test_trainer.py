@@ -539,3 +539,19 @@ def test_tokens_per_s_counts_training_steps_only(tmp_path):
     rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
     assert len(rates) == 4 and min(rates) > 200 / 0.5, rates  # 200 tokens per ~0.05 s window; ~0.65 s with the 0.6
     assert [r["val_s"] >= 0.6 for r in rows if "val_loss" in r] == [True, True]
+
+
+def test_the_greedy_token_comes_from_the_features_without_the_target_lm_head():
+    """Validation's chain walk needs only the target's greedy token: with target_argmax in the features no LM-head
+    matmul runs (a target without one would fail), and a reduced vocabulary maps it to draft ids (-1 outside)."""
+    from types import SimpleNamespace
+
+    from train.trainer import target_greedy
+
+    no_lm_head = SimpleNamespace(model=SimpleNamespace(get_output_embeddings=lambda: pytest.fail("LM head used")))
+    t2d = torch.tensor([True, False, True, True, False])  # draft vocabulary: target ids 0, 2, 3
+    head = SimpleNamespace(draft_ids=t2d.nonzero().flatten(), t2d=t2d)
+    batch = {"target_argmax": torch.tensor([[3, 1, 2, 0]])}
+    rows = SimpleNamespace(batch_index=torch.tensor([0, 0, 0]), anchor=torch.tensor([0, 0, 1]),
+                           depth=torch.tensor([1, 2, 2]))
+    assert target_greedy(no_lm_head, head, batch, rows, slice(0, None)).tolist() == [-1, 1, 0]

@@ -17,7 +17,7 @@ from torch import Tensor
 from inference.sampling import greedy_tokens
 from models.families import family
 from train.cod import CodPlan, anchor_plan, cod_plan, plan_to
-from train.trainer import LOSS_CHUNK_ROWS, draft_labels
+from train.trainer import LOSS_CHUNK_ROWS, target_greedy
 
 
 def full_plan(loss_mask: Tensor, lengths: Tensor, k: int, blocks: bool) -> CodPlan:
@@ -39,7 +39,7 @@ def agreement(model, target, batch: dict, k: int) -> Tensor:
         agree = torch.zeros(rows.hidden.shape[0], dtype=torch.bool, device=device)
         for s in range(0, rows.hidden.shape[0], LOSS_CHUNK_ROWS):
             chunk = slice(s, s + LOSS_CHUNK_ROWS)
-            _, _, best = draft_labels(target, head, batch, rows, chunk)
+            best = target_greedy(target, head, batch, rows, chunk)  # no target logits when the features carry it
             agree[chunk] = greedy_tokens(head.logits_for(rows.hidden[chunk], rows.depth[chunk])) == best
         return rows, agree
 

@@ -180,22 +180,32 @@ def draft_labels(target, head, batch: dict, out, chunk: slice):
     carry (target_argmax): a head with a reduced vocabulary cannot agree where the target's choice lies outside it.
     Features without it fall back to the argmax over the draft vocabulary (an overestimate for such heads)."""
     b, rows = out.batch_index[chunk], (out.anchor + out.depth)[chunk]  # target row t+d predicts token t+d+1
-    ids = head.draft_ids
+    tgt = _target_logits(target, head, batch, b, rows)
+    return tgt, _to_draft(head, batch["input_ids"][b, rows + 1]), target_greedy(target, head, batch, out, chunk, tgt)
+
+
+def target_greedy(target, head, batch: dict, out, chunk: slice, logits: Tensor | None = None) -> Tensor:
+    """draft_labels' greedy token alone: the features' target_argmax when they carry it (no LM-head matmul), else
+    the argmax of the target's draft-vocabulary logits (`logits` when given)."""
+    b, rows = out.batch_index[chunk], (out.anchor + out.depth)[chunk]
+    if "target_argmax" in batch:
+        return _to_draft(head, batch["target_argmax"][b, rows])
+    return greedy_tokens(_target_logits(target, head, batch, b, rows) if logits is None else logits)
+
+
+def _target_logits(target, head, batch: dict, b: Tensor, rows: Tensor) -> Tensor:
     final = batch["final_hidden"][b, rows].to(target.dtype)
     with torch.no_grad():  # the target restricted to the draft vocabulary: only those rows of its LM head (N/V the cost)
-        weight, bias = lm_head_rows(target.model.get_output_embeddings(), ids, final.device.type)
-        tgt = F.linear(final, weight, bias)
-    labels = batch["input_ids"][b, rows + 1]
-    best = batch["target_argmax"][b, rows] if "target_argmax" in batch else None
-    if ids is not None:
-        draft_index = torch.cumsum(head.t2d.long(), 0) - 1
+        weight, bias = lm_head_rows(target.model.get_output_embeddings(), head.draft_ids, final.device.type)
+        return F.linear(final, weight, bias)
 
-        def to_draft(t):
-            return torch.where(head.t2d[t], draft_index[t], torch.full_like(t, -1))
 
-        labels = to_draft(labels)
-        best = None if best is None else to_draft(best)
-    return tgt, labels, greedy_tokens(tgt) if best is None else best
+def _to_draft(head, tokens: Tensor) -> Tensor:
+    """Target-vocabulary ids as the head's draft-vocabulary ids (-1 outside it); unchanged for a full-vocabulary head."""
+    if head.draft_ids is None:
+        return tokens
+    draft_index = torch.cumsum(head.t2d.long(), 0) - 1
+    return torch.where(head.t2d[tokens], draft_index[tokens], torch.full_like(tokens, -1))
 
 
 def lm_head_rows(lm, ids: Tensor | None, device_type: str) -> tuple[Tensor, Tensor | None]:
