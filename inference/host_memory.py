@@ -72,7 +72,8 @@ def run_under_mimalloc() -> None:
     an allocator or it is not installed. Call it first in a command's __main__, before torch is imported: the
     re-execution repeats every import made before it."""
     if _REEXECUTED in os.environ:  # the re-executed process: its children start from the user's environment
-        del os.environ[_REEXECUTED], os.environ["LD_PRELOAD"]
+        os.environ.pop(_REEXECUTED)
+        os.environ.pop("LD_PRELOAD", None)
         if preloaded_mimalloc() is None:
             warnings.warn(f"mimalloc ({mimalloc_library()}) did not load; glibc's allocator is in use")
         return
