@@ -33,6 +33,13 @@ class DraftVocab:
         return t2d
 
 
+def to_draft_ids(t2d: Tensor, ids: Tensor, outside: int) -> Tensor:
+    """Target ids [...] as draft-vocabulary indices (the position among t2d's True entries); `outside` where the
+    token is not in the draft vocabulary."""
+    index = torch.cumsum(t2d.long(), 0) - 1
+    return torch.where(t2d[ids], index[ids], torch.full_like(ids, outside))
+
+
 def build_draft_vocab(sequences, size: int, vocab_size: int) -> DraftVocab:
     """Top-`size` tokens by frequency over the loss tokens of `sequences` (dicts with input_ids, loss_mask).
 

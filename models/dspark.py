@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from models.draft_vocab import DraftVocab
+from models.draft_vocab import DraftVocab, to_draft_ids
 from models.errors import DraftheadsError
 from models.layers import TrainableHead
 from models.peagle import (DecoderLayer, DraftCache, DraftTrainOutput, PEagleDrafter, RMSNorm, apply_rotary,
@@ -96,8 +96,7 @@ class DSparkDrafter(TrainableHead):
         """Target ids -> W1 rows (draft-vocab index; tokens outside the draft vocab share the last row)."""
         if not hasattr(self, "d2t"):
             return ids
-        index = torch.cumsum(self.t2d.long(), 0) - 1
-        return torch.where(self.t2d[ids], index[ids], torch.full_like(ids, self.d2t.numel()))
+        return to_draft_ids(self.t2d, ids, outside=self.d2t.numel())
 
     def sequential_features(self, prev: Tensor) -> Tensor:
         """prev [..., S] target ids x_{k-1} of slots 1..S -> e [..., S, r] (r = 0 for dflash)."""

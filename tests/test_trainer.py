@@ -189,6 +189,16 @@ def test_draft_vocab_head_trains_and_maps(tiny_target, tmp_path, family):
     assert logits.shape == (2, tiny_target.vocab_size) and torch.isinf(logits).sum() == 2 * (tiny_target.vocab_size - 64)
 
 
+def test_target_ids_map_to_draft_indices_and_back():
+    from models.draft_vocab import to_draft_ids
+
+    vocab = DraftVocab(torch.tensor([3, 7, 8, 20]), 32)
+    ids = torch.tensor([[7, 3, 5], [20, 8, 31]])
+    assert to_draft_ids(vocab.t2d, ids, outside=-1).tolist() == [[1, 0, -1], [3, 2, -1]]
+    inside = torch.arange(vocab.size)
+    assert torch.equal(to_draft_ids(vocab.t2d, inside + vocab.d2t, outside=-1), inside)  # d2t's inverse
+
+
 def test_trained_head_raises_tau(peaked_target, tmp_path):
     """soft_label training -> head:DIR source -> tau in the reference loop beats the untrained head."""
     from inference.generate import generate_plain, speculative_generate

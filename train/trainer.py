@@ -24,7 +24,7 @@ from torch import Tensor
 from inference.host_memory import keep_freed_memory
 from inference.sampling import greedy_tokens
 from models.checkpoint import build_draft, head_from_state, load_draft, save_draft
-from models.draft_vocab import build_draft_vocab, extend_draft_vocab, token_counts
+from models.draft_vocab import build_draft_vocab, extend_draft_vocab, to_draft_ids, token_counts
 from models.errors import DraftheadsError
 from models.families import family
 from train.cod import anchor_plan, cod_plan, plan_to
@@ -204,8 +204,7 @@ def _to_draft(head, tokens: Tensor) -> Tensor:
     """Target-vocabulary ids as the head's draft-vocabulary ids (-1 outside it); unchanged for a full-vocabulary head."""
     if head.draft_ids is None:
         return tokens
-    draft_index = torch.cumsum(head.t2d.long(), 0) - 1
-    return torch.where(head.t2d[tokens], draft_index[tokens], torch.full_like(tokens, -1))
+    return to_draft_ids(head.t2d, tokens, outside=-1)
 
 
 def lm_head_rows(lm, ids: Tensor | None, device_type: str) -> tuple[Tensor, Tensor | None]:
