@@ -10,6 +10,8 @@ The block always has gamma slots (slot 1 attends to slot gamma), so inference wi
 
 Sequential stage ("dspark"): logits_k = backbone_k + e_k @ W2, sampled LEFT TO RIGHT so each token has an exact q:
     markov  e_k = W1[x_{k-1}]       (x_0 = the anchor token x_{a+1}; W1 [V_draft+1, r], W2 [r, V_draft])
+    gated   as markov, the bias W2 (e_k * sigmoid(G h_k)): the backbone's state decides which of the previous
+            token's r directions count at slot k (G [r, H]; vLLM speculators' "gated")
     rnn     e_k = GRUCell(W1[x_{k-1}], e_{k-1}), e_0 = 0
 Confidence head: c_k = sigmoid(w^T [h_k; e_k] / tau_k) = P(draft k survives | drafts < k accepted); tau_k are
 per-position temperatures fitted by train/calibration.py (buffer, default 1). Its input is detached: the probe
@@ -31,7 +33,7 @@ from models.layers import TrainableHead
 from models.peagle import (DecoderLayer, DraftCache, DraftTrainOutput, PEagleDrafter, RMSNorm, apply_rotary,
                            head_rope_scaling, rotary, target_layer_sizes)
 
-SEQUENTIAL = ("markov", "rnn", "none")
+SEQUENTIAL = ("markov", "gated", "rnn", "none")
 
 
 class DSparkDrafter(TrainableHead):
@@ -83,6 +85,9 @@ class DSparkDrafter(TrainableHead):
             nn.init.zeros_(self.W2.weight)  # starts as the plain backbone
             if sequential == "rnn":
                 self.gru = nn.GRUCell(rank, rank)
+            if sequential == "gated":
+                self.gate = nn.Linear(H, rank)
+                nn.init.zeros_(self.gate.weight)  # starts at sigmoid(0) = 1/2 on every direction
         self.confidence = nn.Linear(H + self.rank, 1)
         self.register_buffer("confidence_temperature", torch.ones(k))
         self._shared: dict[str, nn.Module] = {}  # frozen target modules: NOT parameters of the head, not saved
@@ -103,7 +108,7 @@ class DSparkDrafter(TrainableHead):
         if not self.rank:
             return prev.new_zeros((*prev.shape, 0), dtype=self.fc.weight.dtype)
         e = self.W1(self.draft_rows(prev))
-        if self.sequential == "markov":
+        if self.sequential != "rnn":  # markov, gated (its gate reads h_k: logits_for)
             return e
         state, out = e.new_zeros(e[..., 0, :].shape), []
         for s in range(e.shape[-2]):
@@ -114,8 +119,13 @@ class DSparkDrafter(TrainableHead):
     def logits_for(self, hidden: Tensor, depth: Tensor | None = None) -> Tensor:
         """hidden [N, H + r] = [h_k; e_k] -> Markov-biased logits [N, V_draft]."""
         H = self.hidden_size
-        base = self.logits(hidden[..., :H])
-        return base + self.W2(hidden[..., H:]) if self.rank else base
+        h, e = hidden[..., :H], hidden[..., H:]
+        base = self.logits(h)
+        if not self.rank:
+            return base
+        if self.sequential == "gated":
+            e = e * torch.sigmoid(self.gate(h))
+        return base + self.W2(e)
 
     def confidence_logit(self, hidden: Tensor, depth: Tensor) -> Tensor:
         """[N]: logit of c_k (calibrated by the per-position temperature), from [h_k; e_k], detached unless the head

@@ -34,7 +34,7 @@ class PEagleOptions:
 
 @dataclass(frozen=True)
 class DSparkOptions:
-    sequential: Literal["markov", "rnn"] = "markov"  # the sequential bias over the block (rnn: GRU-cell state)
+    sequential: Literal["markov", "gated", "rnn"] = "markov"  # the bias over the block (gated: by h_k; rnn: GRU state)
     rank: int = 256  # r of its low-rank transition W1 [V_draft, r], W2 [r, V_draft]
     confidence_grad: bool = False  # the confidence BCE trains the backbone and W1 too (the paper's end-to-end head)
 

@@ -121,9 +121,9 @@ def test_an_unwritable_output_dir_is_refused_before_any_work(tmp_path):
     (["draft=medusa", "+draft.extra.rank=8"], "draft.extra.rank is not an option of draft.family=medusa; it takes none"),
     (["draft=peagle", "+draft.extra.norm_before_residual=yes"], "draft.extra.norm_before_residual='yes' is not a bool"),
     (["draft=dspark", "draft.extra.rank=8.5"], "draft.extra.rank=8.5 is not a int; draft.family=dspark takes sequential: "
-                                                "'markov' | 'rnn' = 'markov', rank: int = 256"),
+                                                "'markov' | 'gated' | 'rnn' = 'markov', rank: int = 256"),
     (["draft=dspark", "draft.extra.rank=0"], "draft.extra.rank=0 must be >= 1"),
-    (["draft=dspark", "draft.extra.sequential=none"], "draft.extra.sequential='none' is not a 'markov' | 'rnn'"),
+    (["draft=dspark", "draft.extra.sequential=none"], "draft.extra.sequential='none' is not a 'markov' | 'gated' | 'rnn'"),
     (["draft=dflash", "+draft.extra.sequential=markov"], "draft.extra.sequential is not an option of "
                                                          "draft.family=dflash; it takes none"),
 ])

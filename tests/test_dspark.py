@@ -32,6 +32,8 @@ def make_head(target, sequential="markov", seed=0, k=K):
     if head.rank:  # a visible Markov bias (fresh heads start with W2 = 0)
         with torch.no_grad():
             head.W2.weight.normal_(0, 1.0)
+            if sequential == "gated":  # and a gate that varies with h_k
+                head.gate.weight.normal_(0, 1.0)
     return head
 
 
@@ -69,7 +71,7 @@ def test_block_sees_context_up_to_the_anchor_and_the_whole_block(target5):
     assert (head2(batch, plan).hidden[0, :H] - base[0]).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("sequential", ["markov", "rnn", "none"])
+@pytest.mark.parametrize("sequential", ["markov", "gated", "rnn", "none"])
 def test_training_rows_equal_inference_rows(target5, sequential):
     """Teacher-forced training logits == left-to-right inference logits fed the true tokens, every anchor."""
     head = make_head(target5, sequential)
@@ -121,13 +123,23 @@ def test_draft_probs_are_the_exact_markov_biased_softmax(target5):
     assert g.tokens.tolist() == chain[1:]
 
 
+def test_gated_bias_is_the_previous_token_embedding_gated_by_the_backbone_state(target5):
+    head = make_head(target5, "gated")
+    h, prev = torch.randn(3, head.hidden_size), torch.tensor([5, 9, 200])
+    e = head.W1.weight[prev]
+    row = torch.cat([h, head.sequential_features(prev[None])[0]], -1)
+    expected = target5.lm_head(h) + (e * torch.sigmoid(head.gate(h))) @ head.W2.weight.T
+    torch.testing.assert_close(head.logits_for(row), expected)
+    assert (head.logits_for(row) - (target5.lm_head(h) + e @ head.W2.weight.T)).abs().max() > 1e-2  # not markov's
+
+
 def test_greedy_speculative_equals_plain_and_head_source_dispatch(target5, tmp_path):
     from inference.sources import build_source
     from inference.sources.dspark import DSparkSource
 
     prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3))
     plain = generate_plain(target5, prompt, 12, SamplingConfig(), eos_ids=[])
-    for seq in ("markov", "rnn", "none"):
+    for seq in ("markov", "gated", "rnn", "none"):
         save_draft(make_head(target5, seq), tmp_path / seq, target5)
         src = build_source(f"head:{tmp_path / seq}", target5)
         assert isinstance(src, DSparkSource)
