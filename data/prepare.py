@@ -20,7 +20,7 @@ from data.chat import tokenize_chat, tokenize_text
 from data.features import MANIFEST, extract_features, merge_parts
 from data.readers import DOCUMENT_SOURCES, PROMPT_SOURCES, ReadStats, read_conversations, read_text_dir
 from data.regenerate import merge_parts as merge_regenerated
-from data.regenerate import regenerate
+from data.regenerate import regenerate, regeneration_totals
 from models.errors import DraftheadsError
 from models.target import Target
 
@@ -111,6 +111,7 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
                 merge_regenerated(target.tokenizer, convs, regenerated, workers.world, d.regen_turns,
                                   d.regen_batch_size, max_prompt)
             workers.wait()
+        report["regenerate"]["all_runs"] = regeneration_totals(regenerated, workers.world)  # resumes included
         lines = regenerated.read_bytes().split(b"\n")
         records = [r for r in map(json.loads, filter(bytes.strip, lines))
                    if r["id"] < len(convs)]  # records past a lowered data.max_records stay on disk, unused

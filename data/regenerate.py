@@ -12,6 +12,8 @@ a batch only partly on disk is generated again whole (batch composition shapes t
 records are appended, so a kill at any byte loses and duplicates nothing and the resumed file holds the records of
 an uninterrupted run. Split over W ranks, rank r generates batches r, r + W, ... into its own part file; the main
 process merges the parts in batch order (merge_parts), which is exactly the single-process file.
+Each part's generation time and new tokens over every run that wrote it (resumes included) accumulate in a progress
+file beside it (PART.progress.json, replaced atomically after each batch): the report's "all_runs".
 """
 
 from __future__ import annotations
@@ -83,6 +85,26 @@ def part_path(out_path: Path, rank: int, world: int) -> Path:
     return out_path if world == 1 else out_path.with_name(f"{out_path.stem}.part_{rank}-of-{world}{out_path.suffix}")
 
 
+def _progress_path(part: Path) -> Path:
+    return part.with_name(part.name + ".progress.json")
+
+
+def _read_progress(part: Path) -> dict:
+    try:
+        return json.loads(_progress_path(part).read_text())
+    except (OSError, ValueError):  # none yet (or from before progress files): counts start here
+        return {"runs": 0, "new_tokens": 0, "seconds": 0.0}
+
+
+def regeneration_totals(out_path: str | Path, world: int) -> dict:
+    """Generation over every run, all parts: new tokens, wall seconds (the slowest part: parts run side by side) and
+    the tokens/s that makes."""
+    parts = [_read_progress(part_path(Path(out_path), r, world)) for r in range(world)]
+    tokens, seconds = sum(p["new_tokens"] for p in parts), max(p["seconds"] for p in parts)
+    return {"runs": max(p["runs"] for p in parts), "new_tokens": tokens, "seconds": round(seconds, 1),
+            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
+
+
 @torch.no_grad()
 def regenerate(
     target: Target,
@@ -115,15 +137,21 @@ def regenerate(
     batches, skipped_long = plan_batches(target.tokenizer, conversations, turns, batch_size, max_prompt_tokens)
     decoder = None
     new_tokens, t0 = 0, time.perf_counter()
+    progress = _read_progress(mine)
+    progress["runs"] += 1
     with open(mine, "a", encoding="utf-8") as f, tqdm(batches, desc="regenerate", unit="batch", position=rank) as bar:
         for b, batch in enumerate(bar):
             if b % world != rank or all(i in done for _, i, _, _ in batch):
                 continue
             decoder = decoder or (ServerChat(server) if backend == "openai" else RuntimeChat(target, dtype))
+            t_batch = time.perf_counter()
             records, n_new = _generate_batch(decoder, batch, turns, max_new, temperature, seed * 1_000_003 + b)
             new_tokens += n_new
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records if r["id"] not in done))
             f.flush()
+            progress["new_tokens"] += n_new
+            progress["seconds"] = round(progress["seconds"] + time.perf_counter() - t_batch, 3)
+            write_atomic(_progress_path(mine), json.dumps(progress))
     elapsed = time.perf_counter() - t0
     return {"records": sum(map(len, batches)), "skipped_long_prompt": skipped_long, "new_tokens": new_tokens,
             "seconds": round(elapsed, 2), "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1), "dtype": dtype}

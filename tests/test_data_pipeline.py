@@ -5,7 +5,7 @@ import torch
 
 from data.chat import tokenize_chat
 from data.features import FeatureDataset, extract_features
-from data.regenerate import regenerate
+from data.regenerate import regenerate, regeneration_totals
 from models.errors import DraftheadsError
 
 CONVS = [[{"role": "user", "content": f"question number {i} " * (1 + i % 3)},
@@ -23,6 +23,13 @@ def test_regeneration_is_deterministic_and_resumes(tiny_target, tmp_path):
     (tmp_path / "part.jsonl").write_text("\n".join(lines[:4]) + "\n" + lines[4][:20])
     again = regenerate(tiny_target, CONVS, tmp_path / "part.jsonl", **kw)
     assert again["new_tokens"] < full["new_tokens"]  # only the missing batches were generated
+    # the progress file counts every run's generation: a resumed file's totals add up across the runs
+    (tmp_path / "part.jsonl.progress.json").write_text(json.dumps({"runs": 1, "new_tokens": 5, "seconds": 2.0}))
+    (tmp_path / "part.jsonl").write_text("\n".join(lines[:4]) + "\n")
+    third = regenerate(tiny_target, CONVS, tmp_path / "part.jsonl", **kw)
+    totals = regeneration_totals(tmp_path / "part.jsonl", 1)
+    assert totals["runs"] == 2 and totals["new_tokens"] == 5 + third["new_tokens"] and totals["seconds"] > 2.0
+    assert regeneration_totals(tmp_path / "full.jsonl", 1)["new_tokens"] == full["new_tokens"]
     assert sorted((tmp_path / "part.jsonl").read_text().splitlines()) == sorted(lines)
     rec = json.loads(lines[0])
     roles = [t["role"] for t in rec["conversation"]]

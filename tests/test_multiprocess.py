@@ -167,8 +167,10 @@ def test_two_processes_split_the_data_stage_and_the_tau_table_and_merge_what_one
         runs[n] = out
     one, two = (runs[n] / "data" / "regenerated.jsonl" for n in (1, 2))
     assert one.read_bytes() == two.read_bytes() and len(one.read_text().splitlines()) >= 12
-    assert sorted(p.name for p in (runs[2] / "data").glob("regenerated.part_*")) == [
+    assert sorted(p.name for p in (runs[2] / "data").glob("regenerated.part_*.jsonl")) == [
         "regenerated.part_0-of-2.jsonl", "regenerated.part_1-of-2.jsonl"]
+    totals = json.loads((runs[2] / "data" / "data_report.json").read_text())["regenerate"]["all_runs"]
+    assert totals["runs"] == 1 and totals["new_tokens"] > 0  # both parts' tokens, from their progress files
     a, b = FeatureDataset(runs[1] / "data" / "features"), FeatureDataset(runs[2] / "data" / "features")
     assert b.manifest["parts"] == 2 and len(a) == len(b) > 8
     for i in range(len(a)):
