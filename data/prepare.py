@@ -22,6 +22,7 @@ from data.readers import DOCUMENT_SOURCES, PROMPT_SOURCES, ReadStats, read_conve
 from data.regenerate import merge_parts as merge_regenerated
 from data.regenerate import regenerate, regeneration_totals
 from models.errors import DraftheadsError
+from models.files import write_atomic
 from models.target import Target
 
 FEATURE_MODES = ("offline", "online", "none")
@@ -105,6 +106,7 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
             batch_size=d.regen_batch_size, temperature=d.regen_temperature, seed=seed, dtype=d.regen_dtype,
             max_prompt_tokens=max_prompt, rank=workers.rank, world=workers.world, backend=d.regen_backend,
             server=d.regen_server)
+        report["regenerate"] = _over_processes(report["regenerate"], workers)
         if workers.world > 1:
             workers.wait()
             if main:
@@ -133,9 +135,20 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
     if d.features != "none":
         report["features"] = _sequences_on_disk(target, sequences, out / "features", d, workers)
     if main:
-        (out / "data_report.json").write_text(json.dumps(report, indent=1))
+        write_atomic(out / "data_report.json", json.dumps(report, indent=1))
     workers.wait()
     return report
+
+
+def _over_processes(stats: dict, workers: Workers) -> dict:
+    """A stage's figures over the processes that ran it side by side (every rank calls this): new tokens summed, the
+    slowest process's seconds, the tokens/s they make together, and each process's own figures."""
+    if workers.world == 1:
+        return stats
+    each = workers.gather([{k: stats[k] for k in ("new_tokens", "seconds", "tokens_per_s")}])
+    tokens, seconds = sum(e["new_tokens"] for e in each), max(e["seconds"] for e in each)
+    return {**stats, "new_tokens": tokens, "seconds": seconds, "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+            "per_process": each}
 
 
 def _path_of(d) -> str:
@@ -155,9 +168,8 @@ def _sequences_on_disk(target: Target, sequences, out: Path, d, workers: Workers
             if workers.rank == 0 else {}
         workers.wait()
         return stats
-    stats = extract_features(target, sequences, out, shard_tokens, hidden=True, dtype=d.feature_dtype,
-                             rank=workers.rank, world=workers.world)
-    workers.wait()
+    stats = _over_processes(extract_features(target, sequences, out, shard_tokens, hidden=True,
+                                             dtype=d.feature_dtype, rank=workers.rank, world=workers.world), workers)
     if workers.rank == 0:
         merged = merge_parts(out, workers.world)
         stats = {**stats, "sequences": merged["sequences_done"], "tokens": sum(s["tokens"] for s in merged["shards"]),

@@ -169,8 +169,16 @@ def test_two_processes_split_the_data_stage_and_the_tau_table_and_merge_what_one
     assert one.read_bytes() == two.read_bytes() and len(one.read_text().splitlines()) >= 12
     assert sorted(p.name for p in (runs[2] / "data").glob("regenerated.part_*.jsonl")) == [
         "regenerated.part_0-of-2.jsonl", "regenerated.part_1-of-2.jsonl"]
-    totals = json.loads((runs[2] / "data" / "data_report.json").read_text())["regenerate"]["all_runs"]
+    report = json.loads((runs[2] / "data" / "data_report.json").read_text())
+    totals = report["regenerate"]["all_runs"]
     assert totals["runs"] == 1 and totals["new_tokens"] > 0  # both parts' tokens, from their progress files
+    for stage in (report["regenerate"], report["features"]):  # both processes' work, not the main one's alone
+        each = stage["per_process"]
+        assert len(each) == 2 and all(e["new_tokens"] > 0 for e in each)
+        assert stage["new_tokens"] == sum(e["new_tokens"] for e in each)
+        assert stage["seconds"] == max(e["seconds"] for e in each)
+    assert report["regenerate"]["new_tokens"] == totals["new_tokens"]
+    assert report["features"]["new_tokens"] == report["features"]["tokens"]
     a, b = FeatureDataset(runs[1] / "data" / "features"), FeatureDataset(runs[2] / "data" / "features")
     assert b.manifest["parts"] == 2 and len(a) == len(b) > 8
     for i in range(len(a)):
