@@ -113,7 +113,7 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
                 merge_regenerated(target.tokenizer, convs, regenerated, workers.world, d.regen_turns,
                                   d.regen_batch_size, max_prompt)
             workers.wait()
-        report["regenerate"]["all_runs"] = regeneration_totals(regenerated, workers.world)  # resumes included
+        report["regenerate"]["all_runs"] = regeneration_totals(regenerated)  # resumes included
         lines = regenerated.read_bytes().split(b"\n")
         records = [r for r in map(json.loads, filter(bytes.strip, lines))
                    if r["id"] < len(convs)]  # records past a lowered data.max_records stay on disk, unused

@@ -19,8 +19,10 @@ file beside it (PART.progress.json, replaced atomically after each batch): the r
 from __future__ import annotations
 
 import copy
+import glob
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -34,6 +36,8 @@ from inference.sampling import SamplingConfig
 from models.errors import DraftheadsError
 from models.files import write_atomic
 from models.target import Target, _parse_dtype
+
+PROGRESS = ".progress.json"  # PART.progress.json: a part file's generation counts over every run
 
 
 def _user_turns(conv: Conversation, turns: int) -> tuple[list[dict], list[str]]:
@@ -86,22 +90,35 @@ def part_path(out_path: Path, rank: int, world: int) -> Path:
 
 
 def _progress_path(part: Path) -> Path:
-    return part.with_name(part.name + ".progress.json")
+    return part.with_name(part.name + PROGRESS)
+
+
+def _no_progress() -> dict:
+    return {"runs": 0, "new_tokens": 0, "seconds": 0.0}
 
 
 def _read_progress(part: Path) -> dict:
     try:
         return json.loads(_progress_path(part).read_text())
     except (OSError, ValueError):  # none yet (or from before progress files): counts start here
-        return {"runs": 0, "new_tokens": 0, "seconds": 0.0}
+        return _no_progress()
 
 
-def regeneration_totals(out_path: str | Path, world: int) -> dict:
-    """Generation over every run, all parts: new tokens, wall seconds (the slowest part: parts run side by side) and
-    the tokens/s that makes."""
-    parts = [_read_progress(part_path(Path(out_path), r, world)) for r in range(world)]
-    tokens, seconds = sum(p["new_tokens"] for p in parts), max(p["seconds"] for p in parts)
-    return {"runs": max(p["runs"] for p in parts), "new_tokens": tokens, "seconds": round(seconds, 1),
+def regeneration_totals(out_path: str | Path) -> dict:
+    """Generation over every run that wrote out_path or its parts, whatever its process count: new tokens, wall
+    seconds (per process count the slowest part, as its parts ran side by side; runs of other counts ran one after
+    another) and the tokens/s that makes. Counts whose record file is gone are not counted."""
+    out_path = Path(out_path)
+    name = re.compile(rf"{re.escape(out_path.stem)}(?:\.part_\d+-of-(\d+))?{re.escape(out_path.suffix)}")
+    by_world: dict[int, list[dict]] = {}
+    for progress in out_path.parent.glob(f"{glob.escape(out_path.stem)}*{PROGRESS}"):
+        part = progress.with_name(progress.name.removesuffix(PROGRESS))
+        if (m := name.fullmatch(part.name)) and part.exists():
+            by_world.setdefault(int(m[1] or 1), []).append(_read_progress(part))
+    runs = sum(max(p["runs"] for p in parts) for parts in by_world.values())
+    tokens = sum(p["new_tokens"] for parts in by_world.values() for p in parts)
+    seconds = sum(max(p["seconds"] for p in parts) for parts in by_world.values())
+    return {"runs": runs, "new_tokens": tokens, "seconds": round(seconds, 1),
             "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
 
 
@@ -133,11 +150,12 @@ def regenerate(
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     mine = part_path(out_path, rank, world)
-    done = {**(_read_done(out_path) if world > 1 and out_path.exists() else {}), **_read_done(mine)}
+    mine_done = _read_done(mine)
+    done = {**(_read_done(out_path) if world > 1 and out_path.exists() else {}), **mine_done}
     batches, skipped_long = plan_batches(target.tokenizer, conversations, turns, batch_size, max_prompt_tokens)
     decoder = None
     new_tokens, t0 = 0, time.perf_counter()
-    progress = _read_progress(mine)
+    progress = _read_progress(mine) if mine_done else _no_progress()  # counts of a removed part file are void
     progress["runs"] += 1
     with open(mine, "a", encoding="utf-8") as f, tqdm(batches, desc="regenerate", unit="batch", position=rank) as bar:
         for b, batch in enumerate(bar):

@@ -88,6 +88,7 @@ class DSparkDrafter(TrainableHead):
             if sequential == "gated":
                 self.gate = nn.Linear(H, rank)
                 nn.init.zeros_(self.gate.weight)  # starts at sigmoid(0) = 1/2 on every direction
+                nn.init.zeros_(self.gate.bias)
         self.confidence = nn.Linear(H + self.rank, 1)
         self.register_buffer("confidence_temperature", torch.ones(k))
         self._shared: dict[str, nn.Module] = {}  # frozen target modules: NOT parameters of the head, not saved

@@ -27,14 +27,32 @@ def test_regeneration_is_deterministic_and_resumes(tiny_target, tmp_path):
     (tmp_path / "part.jsonl.progress.json").write_text(json.dumps({"runs": 1, "new_tokens": 5, "seconds": 2.0}))
     (tmp_path / "part.jsonl").write_text("\n".join(lines[:4]) + "\n")
     third = regenerate(tiny_target, CONVS, tmp_path / "part.jsonl", **kw)
-    totals = regeneration_totals(tmp_path / "part.jsonl", 1)
+    totals = regeneration_totals(tmp_path / "part.jsonl")
     assert totals["runs"] == 2 and totals["new_tokens"] == 5 + third["new_tokens"] and totals["seconds"] > 2.0
-    assert regeneration_totals(tmp_path / "full.jsonl", 1)["new_tokens"] == full["new_tokens"]
+    assert regeneration_totals(tmp_path / "full.jsonl")["new_tokens"] == full["new_tokens"]
+    (tmp_path / "full.jsonl").unlink()  # "remove the file to regenerate everything": its old counts go with it
+    fresh = regenerate(tiny_target, CONVS, tmp_path / "full.jsonl", **kw)
+    after = regeneration_totals(tmp_path / "full.jsonl")
+    assert after["runs"] == 1 and after["new_tokens"] == fresh["new_tokens"]
     assert sorted((tmp_path / "part.jsonl").read_text().splitlines()) == sorted(lines)
     rec = json.loads(lines[0])
     roles = [t["role"] for t in rec["conversation"]]
     assert roles == ["user", "assistant", "user", "assistant"] and len(rec["finished"]) == 2
     assert rec["conversation"][1]["content"] != "old answer"
+
+
+def test_regeneration_totals_add_runs_of_every_process_count(tmp_path):
+    """Parts of one process count ran side by side (the slowest counts), runs of different counts one after another
+    (they add up); a progress file whose part file is gone counts nothing."""
+    counts = {"x.part_0-of-2.jsonl": (1, 10, 4.0), "x.part_1-of-2.jsonl": (1, 6, 5.0), "x.jsonl": (2, 3, 1.0),
+              "x.part_0-of-4.jsonl": (1, 50, 9.0), "xy.jsonl": (1, 100, 1.0)}  # (runs, new tokens, seconds)
+    for name, (runs, tokens, seconds) in counts.items():
+        (tmp_path / f"{name}.progress.json").write_text(json.dumps({"runs": runs, "new_tokens": tokens,
+                                                                    "seconds": seconds}))
+        if name != "x.part_0-of-4.jsonl":  # its records were removed
+            (tmp_path / name).write_text('{"id": 0}\n')
+    assert regeneration_totals(tmp_path / "x.jsonl") == {"runs": 3, "new_tokens": 19, "seconds": 6.0,
+                                                         "tokens_per_s": round(19 / 6, 1)}
 
 
 def test_resume_keeps_records_with_unicode_line_separators(tmp_path):
