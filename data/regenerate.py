@@ -89,6 +89,22 @@ def part_path(out_path: Path, rank: int, world: int) -> Path:
     return out_path if world == 1 else out_path.with_name(f"{out_path.stem}.part_{rank}-of-{world}{out_path.suffix}")
 
 
+def _part_name(out_path: Path) -> re.Pattern:
+    """Names of out_path's part files of any process count (group 1: the count), and out_path's own."""
+    return re.compile(rf"{re.escape(out_path.stem)}(?:\.part_\d+-of-(\d+))?{re.escape(out_path.suffix)}")
+
+
+def _records_of(out_path: Path, but_count: int | None = None) -> dict[int, dict]:
+    """Finished records of out_path and of its part files of every process count except `but_count` (a process's own
+    file, and the parts that processes beside it are writing): a run resumed with another number of processes
+    reuses the records another count made."""
+    name, done = _part_name(out_path), {}
+    for path in sorted(out_path.parent.glob(f"{glob.escape(out_path.stem)}*{out_path.suffix}")):
+        if (m := name.fullmatch(path.name)) and int(m[1] or 1) != but_count:
+            done.update(_read_done(path))
+    return done
+
+
 def _progress_path(part: Path) -> Path:
     return part.with_name(part.name + PROGRESS)
 
@@ -109,7 +125,7 @@ def regeneration_totals(out_path: str | Path) -> dict:
     seconds (per process count the slowest part, as its parts ran side by side; runs of other counts ran one after
     another) and the tokens/s that makes. Counts whose record file is gone are not counted."""
     out_path = Path(out_path)
-    name = re.compile(rf"{re.escape(out_path.stem)}(?:\.part_\d+-of-(\d+))?{re.escape(out_path.suffix)}")
+    name = _part_name(out_path)
     by_world: dict[int, list[dict]] = {}
     for progress in out_path.parent.glob(f"{glob.escape(out_path.stem)}*{PROGRESS}"):
         part = progress.with_name(progress.name.removesuffix(PROGRESS))
@@ -151,13 +167,16 @@ def regenerate(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     mine = part_path(out_path, rank, world)
     mine_done = _read_done(mine)
-    done = {**(_read_done(out_path) if world > 1 and out_path.exists() else {}), **mine_done}
+    elsewhere = _records_of(out_path, but_count=world)
+    done = {**elsewhere, **mine_done}
     batches, skipped_long = plan_batches(target.tokenizer, conversations, turns, batch_size, max_prompt_tokens)
     decoder = None
     new_tokens, t0 = 0, time.perf_counter()
     progress = _read_progress(mine) if mine_done else _no_progress()  # counts of a removed part file are void
     progress["runs"] += 1
     with open(mine, "a", encoding="utf-8") as f, tqdm(batches, desc="regenerate", unit="batch", position=rank) as bar:
+        if world == 1:  # the parts of a run with more processes: into the one file, not made again
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for i, r in elsewhere.items() if i not in mine_done))
         for b, batch in enumerate(bar):
             if b % world != rank or all(i in done for _, i, _, _ in batch):
                 continue
@@ -180,9 +199,7 @@ def merge_parts(tokenizer, conversations: list[Conversation], out_path: str | Pa
     """The main process, after every rank finished: out_path = the parts' records in batch order (the file one process
     writes), replaced atomically."""
     out_path = Path(out_path)
-    records = _read_done(out_path) if out_path.exists() else {}
-    for r in range(world):
-        records.update(_read_done(part_path(out_path, r, world)))
+    records = _records_of(out_path)
     batches, _ = plan_batches(tokenizer, conversations, turns, batch_size, max_prompt_tokens)
     order = [i for batch in batches for _, i, _, _ in batch]
     missing = [i for i in order if i not in records]

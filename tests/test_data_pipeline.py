@@ -41,6 +41,19 @@ def test_regeneration_is_deterministic_and_resumes(tiny_target, tmp_path):
     assert rec["conversation"][1]["content"] != "old answer"
 
 
+def test_regeneration_resumed_with_another_process_count_reuses_the_records(tiny_target, tmp_path):
+    """A 2-process regeneration killed after rank 0's share, resumed by one process: only rank 1's batches are made,
+    and the one file holds what one process alone writes (seeds follow the batch)."""
+    kw = dict(max_new=8, turns=1, batch_size=2, temperature=1.0, seed=5)
+    alone = regenerate(tiny_target, CONVS, tmp_path / "one.jsonl", **kw)
+    half = regenerate(tiny_target, CONVS, tmp_path / "mixed.jsonl", rank=0, world=2, **kw)  # rank 1 never ran
+    rest = regenerate(tiny_target, CONVS, tmp_path / "mixed.jsonl", **kw)
+    assert rest["new_tokens"] == alone["new_tokens"] - half["new_tokens"] > 0
+    assert sorted((tmp_path / "mixed.jsonl").read_text().splitlines()) == sorted(
+        (tmp_path / "one.jsonl").read_text().splitlines())
+    assert regeneration_totals(tmp_path / "mixed.jsonl")["new_tokens"] == alone["new_tokens"]
+
+
 def test_regeneration_totals_add_runs_of_every_process_count(tmp_path):
     """Parts of one process count ran side by side (the slowest counts), runs of different counts one after another
     (they add up); a progress file whose part file is gone counts nothing."""
