@@ -110,8 +110,7 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
         if workers.world > 1:
             workers.wait()
             if main:
-                merge_regenerated(target.tokenizer, convs, regenerated, workers.world, d.regen_turns,
-                                  d.regen_batch_size, max_prompt)
+                merge_regenerated(target.tokenizer, convs, regenerated, d.regen_turns, d.regen_batch_size, max_prompt)
             workers.wait()
         report["regenerate"]["all_runs"] = regeneration_totals(regenerated)  # resumes included
         lines = regenerated.read_bytes().split(b"\n")

@@ -89,18 +89,20 @@ def part_path(out_path: Path, rank: int, world: int) -> Path:
     return out_path if world == 1 else out_path.with_name(f"{out_path.stem}.part_{rank}-of-{world}{out_path.suffix}")
 
 
-def _part_name(out_path: Path) -> re.Pattern:
-    """Names of out_path's part files of any process count (group 1: the count), and out_path's own."""
-    return re.compile(rf"{re.escape(out_path.stem)}(?:\.part_\d+-of-(\d+))?{re.escape(out_path.suffix)}")
+def _record_files(out_path: Path) -> list[tuple[Path, int]]:
+    """out_path and its part files of every process count, those that exist: (path, process count)."""
+    name = re.compile(rf"{re.escape(out_path.stem)}(?:\.part_\d+-of-(\d+))?{re.escape(out_path.suffix)}")
+    found = sorted(out_path.parent.glob(f"{glob.escape(out_path.stem)}*{out_path.suffix}"))
+    return [(path, int(m[1] or 1)) for path in found if (m := name.fullmatch(path.name))]
 
 
 def _records_of(out_path: Path, but_count: int | None = None) -> dict[int, dict]:
     """Finished records of out_path and of its part files of every process count except `but_count` (a process's own
     file, and the parts that processes beside it are writing): a run resumed with another number of processes
     reuses the records another count made."""
-    name, done = _part_name(out_path), {}
-    for path in sorted(out_path.parent.glob(f"{glob.escape(out_path.stem)}*{out_path.suffix}")):
-        if (m := name.fullmatch(path.name)) and int(m[1] or 1) != but_count:
+    done: dict[int, dict] = {}
+    for path, count in _record_files(out_path):
+        if count != but_count:
             done.update(_read_done(path))
     return done
 
@@ -124,13 +126,9 @@ def regeneration_totals(out_path: str | Path) -> dict:
     """Generation over every run that wrote out_path or its parts, whatever its process count: new tokens, wall
     seconds (per process count the slowest part, as its parts ran side by side; runs of other counts ran one after
     another) and the tokens/s that makes. Counts whose record file is gone are not counted."""
-    out_path = Path(out_path)
-    name = _part_name(out_path)
     by_world: dict[int, list[dict]] = {}
-    for progress in out_path.parent.glob(f"{glob.escape(out_path.stem)}*{PROGRESS}"):
-        part = progress.with_name(progress.name.removesuffix(PROGRESS))
-        if (m := name.fullmatch(part.name)) and part.exists():
-            by_world.setdefault(int(m[1] or 1), []).append(_read_progress(part))
+    for path, count in _record_files(Path(out_path)):
+        by_world.setdefault(count, []).append(_read_progress(path))
     runs = sum(max(p["runs"] for p in parts) for parts in by_world.values())
     tokens = sum(p["new_tokens"] for parts in by_world.values() for p in parts)
     seconds = sum(max(p["seconds"] for p in parts) for parts in by_world.values())
@@ -194,7 +192,7 @@ def regenerate(
             "seconds": round(elapsed, 2), "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1), "dtype": dtype}
 
 
-def merge_parts(tokenizer, conversations: list[Conversation], out_path: str | Path, world: int, turns: int,
+def merge_parts(tokenizer, conversations: list[Conversation], out_path: str | Path, turns: int,
                 batch_size: int, max_prompt_tokens: int) -> None:
     """The main process, after every rank finished: out_path = the parts' records in batch order (the file one process
     writes), replaced atomically."""
