@@ -2,7 +2,7 @@
 
 Why not `target.model(...)` with its cache: HF builds masks and cache objects every call and cannot
 attend to a tree; this file is the whole decode/verify path (~100 lines), reads the target's parameters
-(float32 CPU weights packed once for oneDNN, see `pack_for_cpu`; otherwise the tensors themselves) and
+(CPU weights packed once for oneDNN, see `pack_for_cpu`; otherwise the tensors themselves) and
 returns what `Target.forward` returns (logits, aux_hidden at target.layer_ids, final_hidden),
 so feature-based sources (P-EAGLE, DSpark) work unchanged in the runtime.
 Reproduces `target.model` logits in float32 (tests/test_runtime.py::test_llama_matches_hf).
@@ -20,16 +20,52 @@ from models.errors import DraftheadsError
 from models.target import Target, TargetOutput
 
 
+def packs_for_cpu(weight: Tensor) -> bool:
+    """Whether `pack_for_cpu` packs this weight (a CPU float32 or bfloat16 weight where oneDNN runs it)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
+                                             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_for_cpu(weight: Tensor) -> Tensor:
     """The weight in oneDNN's blocked layout, packed once, or the weight itself where that does not apply.
 
-    On CPU, torch's float32 F.linear may run MKL's AVX2 path (it does on AMD CPUs), which repacks the weight on every
-    call; oneDNN's inner product on a pre-packed weight uses AVX-512 and packs nothing (`python -m eval.linear_bench`
-    measures both; the README has the figures). bfloat16 F.linear already goes through oneDNN, so only float32 is
-    packed. Costs one extra copy of the weights in memory."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    float32: torch's F.linear may run MKL's AVX2 path (it does on AMD CPUs), which repacks the weight on every call;
+    oneDNN's inner product on a pre-packed weight uses AVX-512 and packs nothing (`python -m eval.linear_bench`).
+    bfloat16 F.linear goes through oneDNN but reorders the plain weight into its blocked layout on every call; a
+    weight reordered once made the 211 linears of a SmolLM2 decode step 1.2-1.35x faster (AMX Xeon, 2 rows) and
+    gives bitwise F.linear's output for 1-64+ rows and every SmolLM2 shape (tests/test_runtime.py). Costs one extra
+    copy of the weights in memory."""
+    if not packs_for_cpu(weight):
         return weight
-    return weight.detach().to_mkldnn()
+    if weight.dtype == torch.float32:
+        return weight.detach().to_mkldnn()
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 2)  # 2: the rows of a decode step
+
+
+class Projections:
+    """Linears that read the same input (q/k/v; gate/up) as one GEMM over their concatenated weights where the weights
+    are packed for the CPU (the packed copy costs the memory either way): 5 GEMM calls per layer become 2, which made
+    a SmolLM2 bf16 decode step's projections 15-25% faster, with outputs bitwise those of the separate GEMMs
+    (tests/test_runtime.py). Elsewhere (a GPU, where a concatenated copy would double a large target's memory; an
+    unpacked run for torch.compile) one GEMM each."""
+
+    def __init__(self, modules: list, pack: bool):
+        weights, biases = [m.weight for m in modules], [m.bias for m in modules]
+        self.sizes = None
+        if pack and packs_for_cpu(weights[0]):
+            self.sizes = [w.shape[0] for w in weights]
+            bias = None if all(b is None for b in biases) else torch.cat(
+                [w.new_zeros(w.shape[0]) if b is None else b.detach() for w, b in zip(weights, biases)])
+            self.parts = [(pack_for_cpu(torch.cat([w.detach() for w in weights])), bias)]
+        else:
+            self.parts = [(pack_for_cpu(w) if pack else w, b) for w, b in zip(weights, biases)]
+
+    def __call__(self, x: Tensor, linear_fn) -> list[Tensor]:
+        if self.sizes is not None:
+            return list(linear_fn(x, *self.parts[0]).split(self.sizes, -1))
+        return [linear_fn(x, w, b) for w, b in self.parts]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, row_block: int | None = None) -> Tensor:
@@ -55,7 +91,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, row_block: int
     return F.linear(x, weight, bias)
 
 
-# Decode and verify forwards (<= QUERY_BLOCK tokens) attend through `matmul_attention`, so a token gets bitwise the
+# Decode and verify forwards (<= QUERY_BLOCK tokens) attend through `MatmulAttention`, so a token gets bitwise the
 # same output decoded alone, verified in a chain, or verified as a tree node whose ancestors sit at scattered cache
 # slots (the lossless check compares exactly that). SDPA flipped greedy tokens in bfloat16 for trees (3 of 16 MT-bench
 # outputs at 128 tokens): its softmax sums keys in vectorised lanes, so a key's slot changes the rounding. float32
@@ -75,41 +111,62 @@ GEMM_MIN_ROWS = 8
 ROW_BLOCK = 32  # bf16 decode / verify GEMMs run in blocks of at most this many rows (see `linear`)
 
 
-def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, exact_rows: int | None = None) -> Tensor:
-    """Float32 matmul attention: q [B, nh, T, hd], keys/values [B, kvh, S, hd], mask [B, 1, T, S] bool -> [B, nh, T, hd].
+class MatmulAttention:
+    """Float32 matmul attention for one decode / verify forward, mask [B, 1, T, S] bool; called per layer with
+    q [B, nh, T, hd], keys/values [B, kvh, S, hd] -> [B, nh, T, hd].
 
-    Every sum over keys runs inside a GEMM, the softmax denominator too (a column of ones appended to the values),
-    and a GEMM accumulates each output element over the keys in order: a masked key adds an exact zero wherever
-    it sits. So a query's output depends only on its visible keys in slot order, not on their slots or the span,
-    once the GEMMs have enough rows (exact_rows: the queries padded to that many rows with copies of the last).
+    Every sum over keys runs inside a GEMM, the softmax denominator too (a column of ones beside the values), and a
+    GEMM accumulates each output element over the keys in order: a masked key adds an exact zero wherever it sits.
+    So a query's output depends only on its visible keys in slot order, not on their slots or the span, once the
+    GEMMs have enough rows (exact_rows: the queries padded to that many rows with copies of the last).
     exact_rows=None: no padding, GEMMs and softmax in the input dtype (scores in float32), for work that needs no
-    equality (regeneration): 1.7x faster than SDPA's flash kernel for 64 rows of one query each over 200 keys."""
-    B, nh, T, hd = q.shape
-    kvh, S = keys.shape[1], keys.shape[2]
-    rows = max(T, exact_rows or T)
-    if rows > T:
-        q = torch.cat([q, q[:, :, -1:].expand(B, nh, rows - T, hd)], dim=2)
-        mask = torch.cat([mask, mask[:, :, -1:].expand(B, 1, rows - T, S)], dim=2)
-    g = nh // kvh  # query heads per key/value head (GQA), kv head j serving heads j*g .. j*g+g-1
-    if exact_rows is None:  # the g query heads of a kv head as rows of one GEMM, in the cache's dtype
-        # keys/values are a span of the cache's max_len slots; batched GEMMs over that strided view are slower than a
-        # contiguous copy plus the GEMMs: a 64-row SmolLM2 decode step 155 -> 141 / 200 -> 171 / 259 -> 200 ms over
-        # 120 / 250 / 400 keys (bf16, 2 threads)
-        keys, values = keys.contiguous(), values.contiguous()
-        scores = (q.reshape(B, kvh, g * T, hd) @ keys.transpose(-1, -2)).float() * hd**-0.5
-        hidden = ~mask.view(B, 1, 1, T, S).expand(B, kvh, g, T, S).reshape(B, kvh, g * T, S)
-        weights = scores.masked_fill(hidden, float("-inf")).softmax(-1).to(values.dtype)
-        return (weights @ values).view(B, nh, T, hd)
-    visible = mask.view(B, 1, 1, rows, S).expand(B, kvh, g, rows, S).reshape(B, kvh, g * rows, S)
-    scores = (q.float().reshape(B, kvh, g * rows, hd) @ keys.float().transpose(-1, -2)) * hd**-0.5
-    scores = scores.masked_fill(~visible, float("-inf"))
-    weights = (scores - scores.amax(-1, keepdim=True)).exp()
-    values = torch.cat([values.float(), values.new_ones(B, kvh, S, 1, dtype=torch.float32)], -1)
-    acc = weights[..., :SPAN_BLOCK] @ values[:, :, :SPAN_BLOCK]
-    for a in range(SPAN_BLOCK, S, SPAN_BLOCK):  # one GEMM per SPAN_BLOCK keys, added in order (see SPAN_BLOCK)
-        acc = acc + weights[..., a: a + SPAN_BLOCK] @ values[:, :, a: a + SPAN_BLOCK]
-    out = (acc[..., :hd] / acc[..., hd:]).view(B, nh, rows, hd)[:, :, :T]
-    return out.to(q.dtype)
+    equality (regeneration): 1.7x faster than SDPA's flash kernel for 64 rows of one query each over 200 keys.
+    What depends on the mask alone (its expansion to the GEMMs' rows as an additive -inf bias, the float32 key and
+    value buffers with their column of ones) is built once per forward and serves every layer: per layer it made a
+    SmolLM2 decode step's attention ~15% slower at 512 keys and ~30% at 1024 (bf16, 2 threads)."""
+
+    def __init__(self, mask: Tensor, num_heads: int, kv_heads: int, head_dim: int, exact_rows: int | None):
+        B, _, T, S = mask.shape
+        self.exact, self.rows = exact_rows is not None, max(T, exact_rows or T)
+        if self.rows > T:
+            mask = torch.cat([mask, mask[:, :, -1:].expand(B, 1, self.rows - T, S)], dim=2)
+        g = num_heads // kv_heads  # query heads per key/value head (GQA), kv head j serving heads j*g .. j*g+g-1
+        visible = mask.view(B, 1, 1, self.rows, S).expand(B, kv_heads, g, self.rows, S)
+        self.bias = torch.zeros(visible.shape, device=mask.device).masked_fill_(~visible, float("-inf"))
+        self.bias = self.bias.view(B, kv_heads, g * self.rows, S)
+        if self.exact:
+            self.keys = torch.empty(B, kv_heads, S, head_dim, device=mask.device)
+            self.values = torch.ones(B, kv_heads, S, head_dim + 1, device=mask.device)  # last column: ones
+
+    def __call__(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        B, nh, T, hd = q.shape
+        kvh, rows = keys.shape[1], self.rows
+        g = nh // kvh
+        if not self.exact:  # the g query heads of a kv head as rows of one GEMM, in the cache's dtype
+            # keys/values are a span of the cache's max_len slots; batched GEMMs over that strided view are slower than
+            # a contiguous copy plus the GEMMs: a 64-row SmolLM2 decode step 155 -> 141 / 200 -> 171 / 259 -> 200 ms
+            # over 120 / 250 / 400 keys (bf16, 2 threads)
+            keys, values = keys.contiguous(), values.contiguous()
+            scores = (q.reshape(B, kvh, g * T, hd) @ keys.transpose(-1, -2)).float() * hd**-0.5
+            weights = (scores + self.bias).softmax(-1).to(values.dtype)
+            return (weights @ values).view(B, nh, T, hd)
+        if rows > T:
+            q = torch.cat([q, q[:, :, -1:].expand(B, nh, rows - T, hd)], dim=2)
+        keys = keys if keys.dtype == torch.float32 else self.keys.copy_(keys)
+        self.values[..., :hd].copy_(values)
+        scores = (q.float().reshape(B, kvh, g * rows, hd) @ keys.transpose(-1, -2)) * hd**-0.5
+        scores += self.bias
+        weights = (scores - scores.amax(-1, keepdim=True)).exp_()
+        acc = weights[..., :SPAN_BLOCK] @ self.values[:, :, :SPAN_BLOCK]
+        for a in range(SPAN_BLOCK, keys.shape[2], SPAN_BLOCK):  # one GEMM per SPAN_BLOCK keys, added in order
+            acc = acc + weights[..., a: a + SPAN_BLOCK] @ self.values[:, :, a: a + SPAN_BLOCK]
+        out = (acc[..., :hd] / acc[..., hd:]).view(B, nh, rows, hd)[:, :, :T]
+        return out.to(q.dtype)
+
+
+def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, exact_rows: int | None = None) -> Tensor:
+    """`MatmulAttention` for one call (tests, one layer)."""
+    return MatmulAttention(mask, q.shape[1], keys.shape[1], q.shape[-1], exact_rows)(q, keys, values)
 
 
 def runtime_supports(target: Target) -> bool:
@@ -143,10 +200,11 @@ class LlamaForward:
         def wb(m):
             return pack(m.weight), m.bias
 
-        self.layers = [  # per layer: ln1, q, k, v, o, ln2, gate, up, down
-            (layer.input_layernorm.weight, wb(layer.self_attn.q_proj), wb(layer.self_attn.k_proj),
-             wb(layer.self_attn.v_proj), wb(layer.self_attn.o_proj), layer.post_attention_layernorm.weight,
-             wb(layer.mlp.gate_proj), wb(layer.mlp.up_proj), wb(layer.mlp.down_proj))
+        self.layers = [  # per layer: ln1, (q, k, v), o, ln2, (gate, up), down
+            (layer.input_layernorm.weight,
+             Projections([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], pack_weights),
+             wb(layer.self_attn.o_proj), layer.post_attention_layernorm.weight,
+             Projections([layer.mlp.gate_proj, layer.mlp.up_proj], pack_weights), wb(layer.mlp.down_proj))
             for layer in hf.layers
         ]
         self.eps = cfg.rms_norm_eps
@@ -166,18 +224,18 @@ class LlamaForward:
                              dtype=self.target.dtype, device=self.target.device, static=static)
 
     def _attention(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache,
-                   rows: Tensor, slots: Tensor, span: int, mask: Tensor) -> Tensor:
-        _, q_proj, k_proj, v_proj, o_proj = self.layers[layer][:5]
+                   rows: Tensor, slots: Tensor, span: int, mask: Tensor, attend: MatmulAttention | None) -> Tensor:
+        _, qkv, o_proj = self.layers[layer][:3]
         B, T, _ = x.shape
-        q = self._linear(x, *q_proj).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
-        k = self._linear(x, *k_proj).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
-        v = self._linear(x, *v_proj).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = qkv(x, self._linear)
+        q = q.reshape(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
+        k = k.reshape(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
+        v = v.reshape(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin  # cos, sin [B, 1, T, hd]
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer, k, v, rows, slots, span)  # [B, kvh, S, hd]
-        if mask is not None and T <= QUERY_BLOCK and mask.dtype == torch.bool:  # decode / verify (see QUERY_BLOCK)
-            rows = -(-GEMM_MIN_ROWS // (self.num_heads // self.kv_heads)) if self.row_invariant else None
-            out = matmul_attention(q, keys, values, mask, rows)
+        if attend is not None:  # decode / verify (see QUERY_BLOCK)
+            out = attend(q, keys, values)
         else:  # prefill: SDPA's fused kernels
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                                  enable_gqa=self.kv_heads != self.num_heads)  # [B, nh, T, hd]
@@ -187,8 +245,9 @@ class LlamaForward:
         return linear(x, weight, bias, self._row_block)
 
     def _mlp(self, layer: int, x: Tensor) -> Tensor:
-        gate, up, down = self.layers[layer][6:]
-        return self._linear(F.silu(self._linear(x, *gate)) * self._linear(x, *up), *down)
+        gate_up, down = self.layers[layer][4:]
+        gate, up = gate_up(x, self._linear)
+        return self._linear(F.silu(gate) * up, *down)
 
     @torch.no_grad()
     def forward(
@@ -216,6 +275,10 @@ class LlamaForward:
         # an empty cache and a chain: plain causal attention (SDPA's fused causal kernel, ~5% faster prefill)
         causal = tree_mask_given is False and span == T
         mask = None if causal else cache.attention_mask(rows, slots, tree_mask, span, context_limit)  # [B, 1, T, S]
+        attend = None
+        if mask is not None and T <= QUERY_BLOCK and mask.dtype == torch.bool:  # decode / verify (see QUERY_BLOCK)
+            exact_rows = -(-GEMM_MIN_ROWS // (self.num_heads // self.kv_heads)) if self.row_invariant else None
+            attend = MatmulAttention(mask, self.num_heads, self.kv_heads, self.head_dim, exact_rows)
         h = F.embedding(input_ids, self.embed_weight)  # [B, T, H]
         cos, sin = self.rotary(h, positions)  # [B, T, hd]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd], broadcast over heads
@@ -223,8 +286,9 @@ class LlamaForward:
         for i, weights in enumerate(self.layers):
             if i in self.layer_ids:
                 captured[i] = h
-            h = h + self._attention(i, rms_norm(h, weights[0], self.eps), cos, sin, cache, rows, slots, span, mask)
-            h = h + self._mlp(i, rms_norm(h, weights[5], self.eps))
+            x = rms_norm(h, weights[0], self.eps)
+            h = h + self._attention(i, x, cos, sin, cache, rows, slots, span, mask, attend)
+            h = h + self._mlp(i, rms_norm(h, weights[3], self.eps))
         captured[self.num_layers] = h  # last layer output, pre-norm (layer id L)
         final = rms_norm(h, self.norm_weight, self.eps)  # [B, T, H]
         aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # [B, T, n*H]

@@ -289,10 +289,35 @@ def test_smollm2_runtime_matches_hf_greedy(smollm2):
 def test_packed_cpu_weights_match_f_linear():
     w, b, x = torch.randn(48, 32), torch.randn(48), torch.randn(3, 5, 32)
     packed = pack_for_cpu(w)
-    assert packed.is_mkldnn and not pack_for_cpu(w.bfloat16()).is_mkldnn
+    assert packed.is_mkldnn
     assert (linear(x, packed, b) - F.linear(x, w, b)).abs().max() < 1e-5
     xb, wb = x.bfloat16(), w.bfloat16()
     assert torch.equal(linear(xb[0, :1], wb), linear(xb[0, :3], wb)[:1])  # a row alone == the row among others
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # bf16 packed: bitwise F.linear for every row count
+        packed = pack_for_cpu(wb)
+        assert packed.is_mkldnn
+        for rows in (1, 2, 3, 5, 17, 33, 64):
+            xr = torch.randn(rows, 32).bfloat16()
+            assert torch.equal(linear(xr, packed, b.bfloat16()), linear(xr, wb, b.bfloat16()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_projections_equal_the_separate_linears(dtype):
+    """q/k/v (and gate/up) as one packed GEMM give bitwise the separate packed GEMMs' outputs, in decode's 1 row as in
+    verify's many (SmolLM2's shapes, with biases as Qwen2 has them)."""
+    from inference.llama import ROW_BLOCK, Projections
+
+    g = torch.Generator().manual_seed(0)
+    mods = [torch.nn.Linear(576, n, bias=True).to(dtype) for n in (576, 192, 192)]
+    for m in mods:
+        m.weight.data = (torch.randn(m.weight.shape, generator=g) * 0.05).to(dtype)
+    fused, separate = Projections(mods, pack=True), [(pack_for_cpu(m.weight), m.bias) for m in mods]
+    assert len(fused.parts) == 1 or dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    with torch.no_grad():
+        for rows in (1, 2, 5, 16, 33):
+            x = torch.randn(1, rows, 576, generator=g).to(dtype)
+            for a, (w, b) in zip(fused(x, lambda x, w, b: linear(x, w, b, ROW_BLOCK)), separate):
+                assert torch.equal(a, linear(x, w, b, ROW_BLOCK)), rows
 
 
 @pytest.fixture(scope="module")
