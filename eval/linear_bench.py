@@ -1,5 +1,5 @@
 """Time every linear of a SmolLM2-135M-shaped forward (random weights) per input row count and GEMM path:
-F.linear float32, float32 packed for oneDNN (`inference.llama.pack_for_cpu`, what the runtime uses), bfloat16.
+F.linear float32 and bfloat16, and both packed for oneDNN (`inference.llama.pack_for_cpu`, what the runtime uses).
 Shows why verifying K drafts costs what it costs on a CPU. Prints a table, then one JSON line.
 
     python -m eval.linear_bench --threads 2 --rows 1,2,4,9,17,256
@@ -48,6 +48,7 @@ def main() -> None:
         "float32 F.linear": (dense, torch.float32),
         "float32 packed": ([pack_for_cpu(w) for w in dense], torch.float32),
         "bfloat16 F.linear": ([w.bfloat16() for w in dense], torch.bfloat16),
+        "bfloat16 packed": ([pack_for_cpu(w.bfloat16()) for w in dense], torch.bfloat16),
     }
     rows = [int(r) for r in args.rows.split(",")]
     ms = {name: [round(time_forward(ws, in_sizes, r, dt, args.reps), 1) for r in rows]

@@ -10,6 +10,8 @@ Reproduces `target.model` logits in float32 (tests/test_runtime.py::test_llama_m
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -20,19 +22,32 @@ from models.errors import DraftheadsError
 from models.target import Target, TargetOutput
 
 
+@functools.cache
+def _intel_cpu() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "GenuineIntel" in f.read(1 << 16)
+    except OSError:
+        return False
+
+
 def packs_for_cpu(weight: Tensor) -> bool:
-    """Whether `pack_for_cpu` packs this weight (a CPU float32 or bfloat16 weight where oneDNN runs it)."""
+    """Whether `pack_for_cpu` packs this weight: bfloat16 wherever oneDNN runs it, float32 on CPUs other than Intel's
+    (see `pack_for_cpu`)."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
-                                             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if weight.dtype == torch.float32:
+        return not _intel_cpu()
+    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack_for_cpu(weight: Tensor) -> Tensor:
     """The weight in oneDNN's blocked layout, packed once, or the weight itself where that does not apply.
 
-    float32: torch's F.linear may run MKL's AVX2 path (it does on AMD CPUs), which repacks the weight on every call;
-    oneDNN's inner product on a pre-packed weight uses AVX-512 and packs nothing (`python -m eval.linear_bench`).
+    float32: torch's F.linear runs MKL, which takes its AVX2 path on AMD CPUs and repacks the weight on every call there;
+    oneDNN's inner product on a pre-packed weight uses AVX-512 and packs nothing: 30 -> 22 ms per SmolLM2 forward of
+    1 row (`python -m eval.linear_bench`). On an Intel Xeon (AMX) MKL's F.linear was the faster one (1 row 32 ms
+    against 49 packed, 9 rows equal), so float32 stays unpacked on Intel CPUs.
     bfloat16 F.linear goes through oneDNN but reorders the plain weight into its blocked layout on every call; a
     weight reordered once made the 211 linears of a SmolLM2 decode step 1.2-1.35x faster (AMX Xeon, 2 rows) and
     gives bitwise F.linear's output for 1-64+ rows and every SmolLM2 shape (tests/test_runtime.py). Costs one extra

@@ -286,7 +286,10 @@ def test_smollm2_runtime_matches_hf_greedy(smollm2):
     assert rt.generate([prompt], 16, ignore_eos=True).tokens[0] == generate_plain(smollm2, prompt, 16, GREEDY, eos_ids=[])
 
 
-def test_packed_cpu_weights_match_f_linear():
+def test_packed_cpu_weights_match_f_linear(monkeypatch):
+    import inference.llama
+
+    monkeypatch.setattr(inference.llama, "_intel_cpu", lambda: False)  # float32 packs on other CPUs than Intel's
     w, b, x = torch.randn(48, 32), torch.randn(48), torch.randn(3, 5, 32)
     packed = pack_for_cpu(w)
     assert packed.is_mkldnn
@@ -302,11 +305,13 @@ def test_packed_cpu_weights_match_f_linear():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_projections_equal_the_separate_linears(dtype):
+def test_fused_projections_equal_the_separate_linears(dtype, monkeypatch):
     """q/k/v (and gate/up) as one packed GEMM give bitwise the separate packed GEMMs' outputs, in decode's 1 row as in
     verify's many (SmolLM2's shapes, with biases as Qwen2 has them)."""
+    import inference.llama
     from inference.llama import ROW_BLOCK, Projections
 
+    monkeypatch.setattr(inference.llama, "_intel_cpu", lambda: False)  # float32 packs on other CPUs than Intel's
     g = torch.Generator().manual_seed(0)
     mods = [torch.nn.Linear(576, n, bias=True).to(dtype) for n in (576, 192, 192)]
     for m in mods:
