@@ -246,15 +246,16 @@ class Runtime:
         self.cache.reset()
         self.prefill(ids[:, :context], self.cache, rows=row, compute_logits=False)
         self.cache.commit(row, torch.tensor([context], device=self.device))
-        seconds = []
-        for n in sizes:
-            times = []
-            for _ in range(repeats + 1):  # first call is warm-up
+        for n in sizes:  # warm-up: every shape once (kernel creation) before anything is timed
+            self.forward(ids[:, context: context + n], self.cache, rows=row)
+        times = {n: [] for n in sizes}
+        for _ in range(repeats):  # rounds over all sizes: a machine that drifts meanwhile shifts every size alike
+            for n in sizes:
                 t0 = time.perf_counter()
                 self.forward(ids[:, context: context + n], self.cache, rows=row)
                 self._sync()
-                times.append(time.perf_counter() - t0)
-            seconds.append(sorted(times[1:])[len(times[1:]) // 2])
+                times[n].append(time.perf_counter() - t0)
+        seconds = [sorted(times[n])[repeats // 2] for n in sizes]
         self.cache.reset()
         self.cost = VerifyCost(list(sizes), seconds)
         return self.cost

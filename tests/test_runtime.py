@@ -158,7 +158,8 @@ def test_grouped_batches_are_lossless(tiny_target):
     prompts = make_prompts((4, 30, 11, 7), seed=1)
     ref = reference(tiny_target, prompts, 30)
     rt = Runtime(tiny_target, max_len=128, batch_size=4)
-    rt.profile_cost(sizes=(1, 4, 16), context=16, repeats=1)
+    cost = rt.profile_cost(sizes=(1, 4, 16), context=16, repeats=3)
+    assert cost.sizes == [1, 4, 16] and all(t > 0 for t in cost.seconds) and int(rt.cache.lengths.sum()) == 0
     # a cost that grows steeply with padded tokens forces several forwards per round
     from inference.schedulers import VerifyCost
     rt.cost = VerifyCost([1, 2, 64], [1.0, 1.5, 40.0])
