@@ -179,11 +179,6 @@ class MatmulAttention:
         return out.to(q.dtype)
 
 
-def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, exact_rows: int | None = None) -> Tensor:
-    """`MatmulAttention` for one call (tests, one layer)."""
-    return MatmulAttention(mask, q.shape[1], keys.shape[1], q.shape[-1], exact_rows)(q, keys, values)
-
-
 def runtime_supports(target: Target) -> bool:
     """Llama-style targets (silu MLP; llama, qwen2) run on the compact forward and so on the runtime."""
     cfg = target.model.config

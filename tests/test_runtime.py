@@ -395,7 +395,7 @@ def test_bf16_decode_linears_give_a_row_the_same_bits_in_any_batch():
 def test_matmul_attention_ignores_where_the_keys_sit(L):
     """A query decoded alone (its keys contiguous, 1 row) gets bitwise the output it gets as row j of a 9-row tree
     verification whose ancestors sit at scattered slots, with a longer span and other rows around it (bfloat16)."""
-    from inference.llama import GEMM_MIN_ROWS, SPAN_BLOCK, matmul_attention
+    from inference.llama import GEMM_MIN_ROWS, SPAN_BLOCK, MatmulAttention
 
     g = torch.Generator().manual_seed(0)
     nh, kvh, hd, dt = 9, 3, 64, torch.bfloat16
@@ -406,7 +406,7 @@ def test_matmul_attention_ignores_where_the_keys_sit(L):
     alone_mask = torch.zeros(1, 1, 1, span, dtype=torch.bool)
     alone_mask[..., : L + 4] = True
     pad_keys = lambda t, S: torch.cat([t, torch.zeros(1, kvh, S - t.shape[2], hd, dtype=dt)], 2)  # noqa: E731
-    alone = matmul_attention(q, pad_keys(keys, span), pad_keys(values, span), alone_mask, rows)
+    alone = MatmulAttention(alone_mask, nh, kvh, hd, rows)(q, pad_keys(keys, span), pad_keys(values, span))
 
     T, S, slots = 9, span + SPAN_BLOCK, [1, 4, 5, 8]  # the last 4 keys (3 ancestors + itself) at new-token slots
     k_tree, v_tree = (torch.randn(1, kvh, S, hd, generator=g).to(dt) for _ in range(2))
@@ -419,5 +419,5 @@ def test_matmul_attention_ignores_where_the_keys_sit(L):
         mask[0, 0, 8, L + s] = True
     q_tree = torch.randn(1, nh, T, hd, generator=g).to(dt)
     q_tree[:, :, 8] = q[:, :, 0]
-    in_tree = matmul_attention(q_tree, k_tree, v_tree, mask, rows)[:, :, 8:]
+    in_tree = MatmulAttention(mask, nh, kvh, hd, rows)(q_tree, k_tree, v_tree)[:, :, 8:]
     assert torch.equal(alone, in_tree)
