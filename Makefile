@@ -8,7 +8,7 @@ THREADS ?= 2
 
 .PHONY: demo test test-slow install clean
 
-$(BIN)/.installed: pyproject.toml setup.py data/_draft_lookup.c
+$(BIN)/.installed: pyproject.toml setup.py data/_draft_lookup.c inference/_cpu_kernels.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU build of torch (an unpinned torch pulls a multi-GB CUDA build)

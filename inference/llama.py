@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inference import cpu_kernels
+from inference.cpu_kernels import CompiledAttention
 from inference.kv_cache import StaticKVCache
 from models.layers import rms_norm, rotate_half
 from models.errors import DraftheadsError
@@ -106,7 +108,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, row_block: int
     return F.linear(x, weight, bias)
 
 
-# Decode and verify forwards (<= QUERY_BLOCK tokens) attend through `MatmulAttention`, so a token gets bitwise the
+# On the CPU, decode and verify forwards (<= QUERY_BLOCK tokens) attend through the compiled kernel of
+# inference/cpu_kernels.py, which computes each query row over its visible keys alone. Where it is absent (no C
+# compiler at install; a GPU; static caches) they attend through `MatmulAttention`, so a token gets bitwise the
 # same output decoded alone, verified in a chain, or verified as a tree node whose ancestors sit at scattered cache
 # slots (the lossless check compares exactly that). SDPA flipped greedy tokens in bfloat16 for trees (3 of 16 MT-bench
 # outputs at 128 tokens): its softmax sums keys in vectorised lanes, so a key's slot changes the rounding. float32
@@ -233,8 +237,8 @@ class LlamaForward:
         return StaticKVCache(self.num_layers, batch_size, self.kv_heads, self.head_dim, max_len,
                              dtype=self.target.dtype, device=self.target.device, static=static)
 
-    def _attention(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache,
-                   rows: Tensor, slots: Tensor, span: int, mask: Tensor, attend: MatmulAttention | None) -> Tensor:
+    def _attention(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache, rows: Tensor,
+                   slots: Tensor, span: int, mask: Tensor, attend: MatmulAttention | CompiledAttention | None) -> Tensor:
         _, qkv, o_proj = self.layers[layer][:3]
         B, T, _ = x.shape
         q, k, v = qkv(x, self._linear)
@@ -275,7 +279,10 @@ class LlamaForward:
         rows = cache.all_rows() if rows is None else rows
         slots = cache.slots(rows, T)  # [B, T], also checks max_len
         span = cache.span(slots)
-        if self.row_invariant and T <= QUERY_BLOCK and not cache.static:
+        # the compiled CPU kernel; static caches (CUDA graphs, torch.compile) keep MatmulAttention: no host calls
+        compiled = self.row_invariant and T <= QUERY_BLOCK and not cache.static and CompiledAttention.supports(
+            input_ids.device, cache.k[0].dtype, self.num_heads, self.kv_heads, self.head_dim)
+        if self.row_invariant and T <= QUERY_BLOCK and not cache.static and not compiled:
             span = min(cache.max_len, -(-span // SPAN_BLOCK) * SPAN_BLOCK)
         self._row_block = ROW_BLOCK if self.row_invariant and T <= QUERY_BLOCK else None
         tree_mask_given = tree_mask is not None
@@ -286,21 +293,26 @@ class LlamaForward:
         causal = tree_mask_given is False and span == T
         mask = None if causal else cache.attention_mask(rows, slots, tree_mask, span, context_limit)  # [B, 1, T, S]
         attend = None
-        if mask is not None and T <= QUERY_BLOCK and mask.dtype == torch.bool:  # decode / verify (see QUERY_BLOCK)
+        if compiled and mask is not None:  # decode / verify on the CPU (inference/cpu_kernels.py)
+            attend = CompiledAttention(mask, self.num_heads, self.kv_heads, self.head_dim)
+        elif mask is not None and T <= QUERY_BLOCK and mask.dtype == torch.bool:  # decode / verify (see QUERY_BLOCK)
             exact_rows = -(-GEMM_MIN_ROWS // (self.num_heads // self.kv_heads)) if self.row_invariant else None
             attend = MatmulAttention(mask, self.num_heads, self.kv_heads, self.head_dim, exact_rows)
         h = F.embedding(input_ids, self.embed_weight)  # [B, T, H]
         cos, sin = self.rotary(h, positions)  # [B, T, hd]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd], broadcast over heads
+        norm = rms_norm  # one call per norm on the CPU (inference/cpu_kernels.py)
+        if not cache.static and cpu_kernels.norm_supported(self.norm_weight) and h.dtype == self.norm_weight.dtype:
+            norm = cpu_kernels.rms_norm
         captured = {}
         for i, weights in enumerate(self.layers):
             if i in self.layer_ids:
                 captured[i] = h
-            x = rms_norm(h, weights[0], self.eps)
+            x = norm(h, weights[0], self.eps)
             h = h + self._attention(i, x, cos, sin, cache, rows, slots, span, mask, attend)
-            h = h + self._mlp(i, rms_norm(h, weights[3], self.eps))
+            h = h + self._mlp(i, norm(h, weights[3], self.eps))
         captured[self.num_layers] = h  # last layer output, pre-norm (layer id L)
-        final = rms_norm(h, self.norm_weight, self.eps)  # [B, T, H]
+        final = norm(h, self.norm_weight, self.eps)  # [B, T, H]
         aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # [B, T, n*H]
         logits = None
         if compute_logits:

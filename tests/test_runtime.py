@@ -331,8 +331,22 @@ def tiny_bf16(tiny_target):
     return Target(copy.deepcopy(tiny_target.model).to(torch.bfloat16), tiny_target.tokenizer, "tiny-bf16")
 
 
+@pytest.fixture(params=["compiled", "matmul"])
+def decode_attention(request, monkeypatch):
+    """Decode / verify attention on the CPU: the compiled kernel (inference/cpu_kernels.py) or, where it was not
+    built, MatmulAttention's GEMMs."""
+    from inference.cpu_kernels import CompiledAttention, kernels_available
+
+    if request.param == "compiled":
+        assert kernels_available(), ("inference/_cpu_kernels.c was not compiled: install a C compiler and the "
+                                    "Python headers, then `pip install -e .`")
+    else:
+        monkeypatch.setattr(CompiledAttention, "supports", staticmethod(lambda *a: False))
+    return request.param
+
+
 @pytest.mark.parametrize("prompt_len", [32, 252, 508])  # the 5-token block crosses key spans 256 and 512
-def test_bfloat16_token_decoded_alone_equals_verified_in_block(tiny_bf16, prompt_len):
+def test_bfloat16_token_decoded_alone_equals_verified_in_block(tiny_bf16, prompt_len, decode_attention):
     """Bitwise: 5 tokens decoded one by one get the logits that one 5-token verify forward gives them."""
     fwd = LlamaForward(tiny_bf16)
     ids = torch.randint(0, 259, (1, prompt_len + 5), generator=torch.Generator().manual_seed(3))
@@ -348,7 +362,7 @@ def test_bfloat16_token_decoded_alone_equals_verified_in_block(tiny_bf16, prompt
 
 
 @pytest.mark.parametrize("tree", [False, True])
-def test_bfloat16_speculative_equals_plain_runtime(tiny_bf16, tree):
+def test_bfloat16_speculative_equals_plain_runtime(tiny_bf16, tree, decode_attention):
     prompts = make_prompts()
     rt = Runtime(tiny_bf16, max_len=128, batch_size=3)
     plain = rt.generate(prompts, 40, ignore_eos=True).tokens
@@ -392,10 +406,16 @@ def test_bf16_decode_linears_give_a_row_the_same_bits_in_any_batch():
 
 
 @pytest.mark.parametrize("L", [300, 480, 700, 1000])  # the tree's span one SPAN_BLOCK longer than the decode's
-def test_matmul_attention_ignores_where_the_keys_sit(L):
+@pytest.mark.parametrize("kind", ["matmul", "compiled"])
+def test_matmul_attention_ignores_where_the_keys_sit(L, kind):
     """A query decoded alone (its keys contiguous, 1 row) gets bitwise the output it gets as row j of a 9-row tree
-    verification whose ancestors sit at scattered slots, with a longer span and other rows around it (bfloat16)."""
-    from inference.llama import GEMM_MIN_ROWS, SPAN_BLOCK, MatmulAttention
+    verification whose ancestors sit at scattered slots, with a longer span and other rows around it (bfloat16),
+    through MatmulAttention and through the compiled kernel."""
+    from inference.cpu_kernels import CompiledAttention
+    from inference.llama import GEMM_MIN_ROWS, SPAN_BLOCK
+    from inference.llama import MatmulAttention as Matmul
+
+    MatmulAttention = Matmul if kind == "matmul" else (lambda mask, *a: CompiledAttention(mask, *a[:3]))
 
     g = torch.Generator().manual_seed(0)
     nh, kvh, hd, dt = 9, 3, 64, torch.bfloat16
@@ -421,3 +441,40 @@ def test_matmul_attention_ignores_where_the_keys_sit(L):
     q_tree[:, :, 8] = q[:, :, 0]
     in_tree = MatmulAttention(mask, nh, kvh, hd, rows)(q_tree, k_tree, v_tree)[:, :, 8:]
     assert torch.equal(alone, in_tree)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_attention_matches_matmul_attention(dtype):
+    """The compiled kernel computes what MatmulAttention computes (to float32 rounding) for 2 requests of 1, 5 and 16
+    new tokens over a tree mask, with strided cache views and GQA (9 query heads over 3 key/value heads)."""
+    from inference.cpu_kernels import CompiledAttention
+    from inference.llama import MatmulAttention
+
+    g = torch.Generator().manual_seed(1)
+    nh, kvh, hd, S = 9, 3, 64, 96
+    cache_k, cache_v = (torch.randn(2, kvh, 128, hd, generator=g).to(dtype) for _ in range(2))
+    for T in (1, 5, 16):
+        q = torch.randn(2, T, nh, hd, generator=g).to(dtype).transpose(1, 2)  # the layout decoding passes
+        mask = torch.rand(2, 1, T, S, generator=g) < 0.6
+        mask[..., 0] = True  # every query sees at least one key
+        want = MatmulAttention(mask, nh, kvh, hd, 3)(q, cache_k[:, :, :S], cache_v[:, :, :S])
+        got = CompiledAttention(mask, nh, kvh, hd)(q, cache_k[:, :, :S], cache_v[:, :, :S])
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rms_norm_matches_layers_rms_norm(dtype):
+    """The runtime's one-call RMSNorm equals models.layers.rms_norm to an ulp of the dtype, and a row's output does
+    not depend on the rows beside it."""
+    from inference import cpu_kernels
+    from models.layers import rms_norm
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 7, 576, generator=g) * 4).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    assert cpu_kernels.norm_supported(w)
+    got = cpu_kernels.rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, rms_norm(x, w, 1e-5), atol=0, rtol=1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(cpu_kernels.rms_norm(x[1, 4:5], w, 1e-5), got[1, 4:5])

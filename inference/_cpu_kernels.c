@@ -1,0 +1,212 @@
+/* The runtime's CPU kernels (inference/cpu_kernels.py): decode / verify attention and RMSNorm.
+ *
+ * Attention: each query row on its own, over only the keys its mask shows, in slot order. So a token's output cannot
+ * depend on how many rows the forward has, on where its keys sit in the cache or on the span: decoding a token alone
+ * equals verifying it in a chain or as a tree node.
+ * Every sum runs in a fixed order (dot products in 8 lanes added pairwise, the softmax and the weighted values key
+ * by key), and -ffp-contract=off keeps the compiler from fusing multiply-adds differently in its two clones.
+ *
+ * attend(q, k, v, mask, out, B, nh, kvh, T, S, hd, q_sb, q_sh, q_st, k_sb, k_sh, v_sb, v_sh, m_sb, m_st, bf16,
+ *        scale)
+ *   q [B, nh, T, hd], k / v [B, kvh, S, hd] (slot stride hd), float32 or bfloat16 (bf16=1), element stride 1,
+ *   other strides in elements; mask [B, 1, T, S] bool (m_sb, m_st); out float32 [B, T, nh, hd] contiguous.
+ *   Pointers are passed as integers (torch's data_ptr()).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 8
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void load_row(const void *src, int bf16, Py_ssize_t hd, float *dst) {
+    if (!bf16) {
+        memcpy(dst, src, (size_t)hd * sizeof(float));
+        return;
+    }
+    const uint16_t *s = src;
+    for (Py_ssize_t d = 0; d < hd; d++) {
+        uint32_t u = (uint32_t)s[d] << 16;
+        memcpy(dst + d, &u, sizeof(float));
+    }
+}
+
+INLINE float dot(const float *a, const float *b, Py_ssize_t hd) {
+    float lane[LANES] = {0};
+    for (Py_ssize_t d = 0; d < hd; d += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] += a[d + l] * b[d + l];
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+/* e^x for x <= 0, to ~2 ulp: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r, 2^n by exponent bits.
+ * Branch-free, so the compiler vectorizes the loop that calls it; below -87 it returns 2^-126 (not 0), which a
+ * softmax over at least one key of weight 1 cannot tell from 0 after rounding. */
+INLINE float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float t = x * 1.44269504f + 12582912.0f; /* 1.5 * 2^23: t - that constant is round(x / ln2) */
+    float n = t - 12582912.0f;
+    float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.66666672e-1f + r * (4.16666679e-2f + r * (8.33336077e-3f +
+                                                                                                  r * 1.38889e-3f)))));
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, sizeof(float));
+    return p * scale;
+}
+
+typedef struct {
+    const char *q, *k, *v;
+    const uint8_t *mask;
+    float *out;
+    Py_ssize_t B, nh, kvh, T, S, hd, q_sb, q_sh, q_st, k_sb, k_sh, v_sb, v_sh, m_sb, m_st;
+    int bf16;
+    float scale;
+} Args;
+
+/* scratch: R*(2*hd + S + 2) + 2*hd floats, R = T * nh / kvh query rows per kv head (t-major) */
+__attribute__((target_clones("avx2", "default")))
+static void attend_all(const Args *a, float *scratch) {
+    Py_ssize_t g = a->nh / a->kvh, R = a->T * g, hd = a->hd, S = a->S, es = a->bf16 ? 2 : 4;
+    float *qf = scratch, *acc = qf + R * hd, *w = acc + R * hd, *mx = w + R * S, *sum = mx + R;
+    float *kf = sum + R, *vf = kf + hd;
+    for (Py_ssize_t b = 0; b < a->B; b++)
+        for (Py_ssize_t j = 0; j < a->kvh; j++) {
+            const uint8_t *mask = a->mask + b * a->m_sb;
+            const char *keys = a->k + (b * a->k_sb + j * a->k_sh) * es;
+            const char *values = a->v + (b * a->v_sb + j * a->v_sh) * es;
+            for (Py_ssize_t r = 0; r < R; r++) {
+                Py_ssize_t t = r / g, h = j * g + r % g;
+                load_row(a->q + (b * a->q_sb + h * a->q_sh + t * a->q_st) * es, a->bf16, hd, qf + r * hd);
+                mx[r] = -INFINITY;
+                sum[r] = 0.0f;
+                memset(acc + r * hd, 0, (size_t)hd * sizeof(float));
+            }
+            /* scores of the visible keys, each key read once for all the rows that see it */
+            for (Py_ssize_t s = 0; s < S; s++) {
+                int seen = 0;
+                for (Py_ssize_t t = 0; t < a->T; t++) seen |= mask[t * a->m_st + s];
+                if (!seen) continue;
+                load_row(keys + s * hd * es, a->bf16, hd, kf);
+                for (Py_ssize_t t = 0; t < a->T; t++) {
+                    if (!mask[t * a->m_st + s]) continue;
+                    for (Py_ssize_t r = t * g; r < t * g + g; r++) {
+                        float x = dot(qf + r * hd, kf, hd) * a->scale;
+                        w[r * S + s] = x;
+                        if (x > mx[r]) mx[r] = x;
+                    }
+                }
+            }
+            for (Py_ssize_t r = 0; r < R; r++) { /* the softmax's weights, 0 where masked */
+                const uint8_t *m = mask + (r / g) * a->m_st;
+                float *wr = w + r * S, top = mx[r];
+                for (Py_ssize_t s = 0; s < S; s++) wr[s] = m[s] ? exp_nonpositive(wr[s] - top) : 0.0f;
+            }
+            /* the weighted values and the weights' sums, key by key in slot order (rows interleaved: the sums'
+             * additions of different rows overlap) */
+            for (Py_ssize_t s = 0; s < S; s++) {
+                int seen = 0;
+                for (Py_ssize_t t = 0; t < a->T; t++) seen |= mask[t * a->m_st + s];
+                if (!seen) continue;
+                load_row(values + s * hd * es, a->bf16, hd, vf);
+                for (Py_ssize_t t = 0; t < a->T; t++) {
+                    if (!mask[t * a->m_st + s]) continue;
+                    for (Py_ssize_t r = t * g; r < t * g + g; r++) {
+                        float x = w[r * S + s], *o = acc + r * hd;
+                        sum[r] += x;
+                        for (Py_ssize_t d = 0; d < hd; d++) o[d] += x * vf[d];
+                    }
+                }
+            }
+            for (Py_ssize_t r = 0; r < R; r++) {
+                Py_ssize_t t = r / g, h = j * g + r % g;
+                float *o = a->out + ((b * a->T + t) * a->nh + h) * hd;
+                for (Py_ssize_t d = 0; d < hd; d++) o[d] = acc[r * hd + d] / sum[r];
+            }
+        }
+}
+
+static PyObject *attend(PyObject *self, PyObject *args) {
+    Py_ssize_t q, k, v, mask, out;
+    Args a;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnnnnnnnnnif", &q, &k, &v, &mask, &out, &a.B, &a.nh, &a.kvh, &a.T, &a.S,
+                          &a.hd, &a.q_sb, &a.q_sh, &a.q_st, &a.k_sb, &a.k_sh, &a.v_sb, &a.v_sh, &a.m_sb, &a.m_st,
+                          &a.bf16, &a.scale))
+        return NULL;
+    if (a.kvh <= 0 || a.nh % a.kvh || a.hd % LANES) {
+        PyErr_SetString(PyExc_ValueError, "attend: num_heads must be a multiple of kv_heads and head_dim of 8");
+        return NULL;
+    }
+    a.q = (const char *)q, a.k = (const char *)k, a.v = (const char *)v;
+    a.mask = (const uint8_t *)mask, a.out = (float *)out;
+    Py_ssize_t g = a.nh / a.kvh;
+    Py_ssize_t R = a.T * g;
+    float *scratch = malloc((size_t)(R * (2 * a.hd + a.S + 2) + 2 * a.hd) * sizeof(float));
+    if (!scratch) return PyErr_NoMemory();
+    attend_all(&a, scratch);
+    free(scratch);
+    Py_RETURN_NONE;
+}
+
+INLINE uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) (no NaNs here) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof(float));
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* LlamaRMSNorm per row: float32 statistics, x * rsqrt(mean(x^2) + eps) rounded to the input dtype, times the weight
+ * (a bf16 product rounded once, as torch's bf16 multiply does). The squares are summed in 8 lanes added pairwise. */
+__attribute__((target_clones("avx2", "default")))
+static void rms_norm_rows(const void *x, const void *weight, void *out, Py_ssize_t rows, Py_ssize_t H, int bf16,
+                          float eps, float *row) {
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        load_row((const char *)x + i * H * (bf16 ? 2 : 4), bf16, H, row);
+        float lane[LANES] = {0};
+        for (Py_ssize_t d = 0; d < H; d += LANES)
+            for (int l = 0; l < LANES; l++) lane[l] += row[d + l] * row[d + l];
+        float sq = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+        float inv = 1.0f / sqrtf(sq / (float)H + eps);
+        if (bf16) {
+            const uint16_t *w = weight;
+            uint16_t *o = (uint16_t *)out + i * H;
+            for (Py_ssize_t d = 0; d < H; d++) {
+                uint32_t hb = (uint32_t)to_bf16(row[d] * inv) << 16, wb = (uint32_t)w[d] << 16;
+                float hf, wf;
+                memcpy(&hf, &hb, sizeof(float));
+                memcpy(&wf, &wb, sizeof(float));
+                o[d] = to_bf16(wf * hf);
+            }
+        } else {
+            const float *w = weight;
+            float *o = (float *)out + i * H;
+            for (Py_ssize_t d = 0; d < H; d++) o[d] = w[d] * (row[d] * inv);
+        }
+    }
+}
+
+static PyObject *rms_norm(PyObject *self, PyObject *args) {
+    Py_ssize_t x, weight, out, rows, H;
+    int bf16;
+    float eps;
+    if (!PyArg_ParseTuple(args, "nnnnnif", &x, &weight, &out, &rows, &H, &bf16, &eps)) return NULL;
+    if (H % LANES) {
+        PyErr_SetString(PyExc_ValueError, "rms_norm: the hidden size must be a multiple of 8");
+        return NULL;
+    }
+    float *row = malloc((size_t)H * sizeof(float));
+    if (!row) return PyErr_NoMemory();
+    rms_norm_rows((const void *)x, (const void *)weight, (void *)out, rows, H, bf16, eps, row);
+    free(row);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"attend", attend, METH_VARARGS, "attend(q, k, v, mask, out, ...): see the top of the file"},
+    {"rms_norm", rms_norm, METH_VARARGS, "rms_norm(x, weight, out, rows, hidden, bf16, eps): contiguous rows"},
+    {NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_kernels", "The runtime's CPU kernels", -1, methods};
+
+PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }
