@@ -1,4 +1,4 @@
-/* The runtime's CPU kernels (inference/cpu_kernels.py): decode / verify attention and RMSNorm.
+/* The runtime's CPU kernels (inference/cpu_kernels.py): decode / verify attention, RMSNorm and RoPE.
  *
  * Attention: each query row on its own, over only the keys its mask shows, in slot order. So a token's output cannot
  * depend on how many rows the forward has, on where its keys sit in the cache or on the span: decoding a token alone
@@ -9,7 +9,7 @@
  * attend(q, k, v, mask, out, B, nh, kvh, T, S, hd, q_sb, q_sh, q_st, k_sb, k_sh, v_sb, v_sh, m_sb, m_st, bf16,
  *        scale)
  *   q [B, nh, T, hd], k / v [B, kvh, S, hd] (slot stride hd), float32 or bfloat16 (bf16=1), element stride 1,
- *   other strides in elements; mask [B, 1, T, S] bool (m_sb, m_st); out float32 [B, T, nh, hd] contiguous.
+ *   other strides in elements; mask [B, 1, T, S] bool (m_sb, m_st); out [B, T, nh, hd] contiguous, q's dtype.
  *   Pointers are passed as integers (torch's data_ptr()).
  */
 #define PY_SSIZE_T_CLEAN
@@ -41,6 +41,12 @@ INLINE float dot(const float *a, const float *b, Py_ssize_t hd) {
     return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
+INLINE uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) (no NaNs here) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof(float));
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* e^x for x <= 0, to ~2 ulp: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r, 2^n by exponent bits.
  * Branch-free, so the compiler vectorizes the loop that calls it; below -87 it returns 2^-126 (not 0), which a
  * softmax over at least one key of weight 1 cannot tell from 0 after rounding. */
@@ -60,7 +66,7 @@ INLINE float exp_nonpositive(float x) {
 typedef struct {
     const char *q, *k, *v;
     const uint8_t *mask;
-    float *out;
+    void *out;
     Py_ssize_t B, nh, kvh, T, S, hd, q_sb, q_sh, q_st, k_sb, k_sh, v_sb, v_sh, m_sb, m_st;
     int bf16;
     float scale;
@@ -122,8 +128,14 @@ static void attend_all(const Args *a, float *scratch) {
             }
             for (Py_ssize_t r = 0; r < R; r++) {
                 Py_ssize_t t = r / g, h = j * g + r % g;
-                float *o = a->out + ((b * a->T + t) * a->nh + h) * hd;
-                for (Py_ssize_t d = 0; d < hd; d++) o[d] = acc[r * hd + d] / sum[r];
+                Py_ssize_t at = ((b * a->T + t) * a->nh + h) * hd;
+                for (Py_ssize_t d = 0; d < hd; d++) {
+                    float x = acc[r * hd + d] / sum[r];
+                    if (a->bf16)
+                        ((uint16_t *)a->out)[at + d] = to_bf16(x);
+                    else
+                        ((float *)a->out)[at + d] = x;
+                }
             }
         }
 }
@@ -140,7 +152,7 @@ static PyObject *attend(PyObject *self, PyObject *args) {
         return NULL;
     }
     a.q = (const char *)q, a.k = (const char *)k, a.v = (const char *)v;
-    a.mask = (const uint8_t *)mask, a.out = (float *)out;
+    a.mask = (const uint8_t *)mask, a.out = (void *)out;
     Py_ssize_t g = a.nh / a.kvh;
     Py_ssize_t R = a.T * g;
     float *scratch = malloc((size_t)(R * (2 * a.hd + a.S + 2) + 2 * a.hd) * sizeof(float));
@@ -148,12 +160,6 @@ static PyObject *attend(PyObject *self, PyObject *args) {
     attend_all(&a, scratch);
     free(scratch);
     Py_RETURN_NONE;
-}
-
-INLINE uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) (no NaNs here) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof(float));
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* LlamaRMSNorm per row: float32 statistics, x * rsqrt(mean(x^2) + eps) rounded to the input dtype, times the weight
@@ -202,9 +208,59 @@ static PyObject *rms_norm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* RoPE as the runtime's torch code computes it, x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1],
+ * each product and the sum rounded to the dtype as torch's ops round them: bitwise torch's result.
+ * x [B, H, T, hd] (strides x_sb, x_sh, x_st; element stride 1), cos / sin [B, T, hd] (strides c_sb, c_st),
+ * out [B, T, H, hd] contiguous, all of one dtype. */
+__attribute__((target_clones("avx2", "default")))
+static void rope_rows(const char *x, const char *cos, const char *sin, char *out, Py_ssize_t B, Py_ssize_t H,
+                      Py_ssize_t T, Py_ssize_t hd, Py_ssize_t x_sb, Py_ssize_t x_sh, Py_ssize_t x_st,
+                      Py_ssize_t c_sb, Py_ssize_t c_st, int bf16, float *buf) {
+    Py_ssize_t es = bf16 ? 2 : 4, half = hd / 2;
+    float *xf = buf, *cf = xf + hd, *sf = cf + hd, *of = sf + hd;
+    for (Py_ssize_t b = 0; b < B; b++)
+        for (Py_ssize_t t = 0; t < T; t++) {
+            load_row(cos + (b * c_sb + t * c_st) * es, bf16, hd, cf);
+            load_row(sin + (b * c_sb + t * c_st) * es, bf16, hd, sf);
+            for (Py_ssize_t h = 0; h < H; h++) {
+                load_row(x + (b * x_sb + h * x_sh + t * x_st) * es, bf16, hd, xf);
+                char *o = out + (((b * T + t) * H + h) * hd) * es;
+                for (Py_ssize_t d = 0; d < hd; d++) {
+                    float rot = d < half ? -xf[d + half] : xf[d - half];
+                    float a = xf[d] * cf[d], c = rot * sf[d];
+                    if (bf16) {
+                        uint32_t ab = (uint32_t)to_bf16(a) << 16, cb = (uint32_t)to_bf16(c) << 16;
+                        memcpy(&a, &ab, sizeof(float));
+                        memcpy(&c, &cb, sizeof(float));
+                    }
+                    of[d] = a + c;
+                }
+                if (bf16)
+                    for (Py_ssize_t d = 0; d < hd; d++) ((uint16_t *)o)[d] = to_bf16(of[d]);
+                else
+                    memcpy(o, of, (size_t)hd * sizeof(float));
+            }
+        }
+}
+
+static PyObject *rope(PyObject *self, PyObject *args) {
+    Py_ssize_t x, cos, sin, out, B, H, T, hd, x_sb, x_sh, x_st, c_sb, c_st;
+    int bf16;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnni", &x, &cos, &sin, &out, &B, &H, &T, &hd, &x_sb, &x_sh, &x_st, &c_sb,
+                          &c_st, &bf16))
+        return NULL;
+    float *buf = malloc((size_t)(4 * hd) * sizeof(float));
+    if (!buf) return PyErr_NoMemory();
+    rope_rows((const char *)x, (const char *)cos, (const char *)sin, (char *)out, B, H, T, hd, x_sb, x_sh, x_st, c_sb,
+              c_st, bf16, buf);
+    free(buf);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"attend", attend, METH_VARARGS, "attend(q, k, v, mask, out, ...): see the top of the file"},
     {"rms_norm", rms_norm, METH_VARARGS, "rms_norm(x, weight, out, rows, hidden, bf16, eps): contiguous rows"},
+    {"rope", rope, METH_VARARGS, "rope(x, cos, sin, out, B, H, T, hd, x_sb, x_sh, x_st, c_sb, c_st, bf16)"},
     {NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_kernels", "The runtime's CPU kernels", -1, methods};

@@ -232,6 +232,12 @@ class LlamaForward:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_layers = cfg.num_hidden_layers
         self.layer_ids = target.layer_ids
+        # inference/cpu_kernels.py: compiled attention, RMSNorm and RoPE on the CPU for decode / verify forwards on
+        # dynamic caches (static ones, for CUDA graphs and torch.compile, take no host calls). Prefills and feature
+        # extraction keep torch's ops: multi-threaded for long inputs, and bitwise HF's float32 hidden states.
+        self.cpu_kernels = cpu_kernels.supported(target.device, target.dtype, self.num_heads, self.kv_heads,
+                                                 self.head_dim, cfg.hidden_size)
+        self._kernels = False  # set per forward
 
     def new_cache(self, batch_size: int, max_len: int, static: bool = False) -> StaticKVCache:
         return StaticKVCache(self.num_layers, batch_size, self.kv_heads, self.head_dim, max_len,
@@ -245,8 +251,11 @@ class LlamaForward:
         q = q.reshape(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
         k = k.reshape(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
         v = v.reshape(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin  # cos, sin [B, 1, T, hd]
-        k = k * cos + rotate_half(k) * sin
+        if self._kernels:
+            q, k = cpu_kernels.rope(q, cos, sin), cpu_kernels.rope(k, cos, sin)
+        else:
+            q = q * cos + rotate_half(q) * sin  # cos, sin [B, 1, T, hd]
+            k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer, k, v, rows, slots, span)  # [B, kvh, S, hd]
         if attend is not None:  # decode / verify (see QUERY_BLOCK)
             out = attend(q, keys, values)
@@ -279,9 +288,8 @@ class LlamaForward:
         rows = cache.all_rows() if rows is None else rows
         slots = cache.slots(rows, T)  # [B, T], also checks max_len
         span = cache.span(slots)
-        # the compiled CPU kernel; static caches (CUDA graphs, torch.compile) keep MatmulAttention: no host calls
-        compiled = self.row_invariant and T <= QUERY_BLOCK and not cache.static and CompiledAttention.supports(
-            input_ids.device, cache.k[0].dtype, self.num_heads, self.kv_heads, self.head_dim)
+        self._kernels = self.cpu_kernels and not cache.static and T <= QUERY_BLOCK  # decode / verify forwards
+        compiled = self._kernels and self.row_invariant
         if self.row_invariant and T <= QUERY_BLOCK and not cache.static and not compiled:
             span = min(cache.max_len, -(-span // SPAN_BLOCK) * SPAN_BLOCK)
         self._row_block = ROW_BLOCK if self.row_invariant and T <= QUERY_BLOCK else None
@@ -301,9 +309,7 @@ class LlamaForward:
         h = F.embedding(input_ids, self.embed_weight)  # [B, T, H]
         cos, sin = self.rotary(h, positions)  # [B, T, hd]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd], broadcast over heads
-        norm = rms_norm  # one call per norm on the CPU (inference/cpu_kernels.py)
-        if not cache.static and cpu_kernels.norm_supported(self.norm_weight) and h.dtype == self.norm_weight.dtype:
-            norm = cpu_kernels.rms_norm
+        norm = cpu_kernels.rms_norm if self._kernels else rms_norm
         captured = {}
         for i, weights in enumerate(self.layers):
             if i in self.layer_ids:
