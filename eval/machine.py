@@ -3,7 +3,9 @@
 Figures from different days compare only through it. The lent 2-core machine changes between sessions: an AMD CPU
 without AMX on one day, an Intel one with AMX on another, where bfloat16 GEMMs ran 3-6x faster but tokenizing,
 elementwise ops and Python ran ~1.4-1.8x slower. So the field holds the CPU, its bf16 instructions, the load average
-when the benchmark started (what else ran), OpenMP's wait policy, and four probes timed at the benchmark's thread count (~2 s in all):
+when the benchmark started (what else ran), OpenMP's wait policy, whether the runtime's compiled CPU kernels ran
+(`cpu_kernels`: off without a C compiler or with DRAFTHEADS_CPU_KERNELS=0), and four probes timed at the benchmark's
+thread count (~2 s in all):
 
 - `bf16_gemm_gflops` / `fp32_gemm_gflops`: a 64 x 576 x 1536 matmul (a decode step's MLP on SmolLM2);
 - `copy_gbps`: a 64 MB float32 copy (what elementwise ops and the loss over logits are bound by);
@@ -18,7 +20,7 @@ import time
 
 import torch
 
-from inference import host_memory
+from inference import cpu_kernels, host_memory
 from train.distributed import cpu_bf16_instructions
 
 
@@ -65,6 +67,7 @@ def machine_info() -> dict:
             "bf16_isa": cpu_bf16_instructions(),
             "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"), "malloc": host_memory.policy(),
+            "cpu_kernels": cpu_kernels.enabled(),
             "bf16_gemm_gflops": gemm[torch.bfloat16], "fp32_gemm_gflops": gemm[torch.float32],
             "copy_gbps": round(copy_gbps, 1), "python_ns_per_iter": round(_best_seconds(loop) / 100_000 * 1e9, 1),
             "torch": torch.__version__}

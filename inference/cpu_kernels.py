@@ -14,6 +14,8 @@ against ~4 us for one compiled call. RoPE gives bitwise torch's result; RMSNorm 
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -23,10 +25,16 @@ except ImportError:  # no C compiler at install time
     _c = None
 
 
+def enabled() -> bool:
+    """Compiled, and not turned off with DRAFTHEADS_CPU_KERNELS=0 (to compare against torch's path; benchmarks record
+    this in their `machine` field)."""
+    return _c is not None and os.environ.get("DRAFTHEADS_CPU_KERNELS", "1") != "0"
+
+
 def supported(device: torch.device, dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int,
               hidden: int) -> bool:
-    """Whether the kernels serve a model of these shapes: compiled, on the CPU, float32 or bfloat16, sizes in 8s."""
-    return (_c is not None and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    """Whether the kernels serve a model of these shapes: enabled, on the CPU, float32 or bfloat16, sizes in 8s."""
+    return (enabled() and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and num_heads % kv_heads == 0 and head_dim % 8 == 0 and hidden % 8 == 0)
 
 
