@@ -72,15 +72,19 @@ typedef struct {
     float scale;
 } Args;
 
-/* scratch: R*(2*hd + S + 2) + 2*hd floats, R = T * nh / kvh query rows per kv head (t-major) */
+/* scratch: R*(2*hd + S + 2) + 2*hd floats, R = T * nh / kvh query rows per kv head (t-major); seen: S bytes */
 __attribute__((target_clones("avx2", "default")))
-static void attend_all(const Args *a, float *scratch) {
+static void attend_all(const Args *a, float *scratch, uint8_t *seen) {
     Py_ssize_t g = a->nh / a->kvh, R = a->T * g, hd = a->hd, S = a->S, es = a->bf16 ? 2 : 4;
     float *qf = scratch, *acc = qf + R * hd, *w = acc + R * hd, *mx = w + R * S, *sum = mx + R;
     float *kf = sum + R, *vf = kf + hd;
-    for (Py_ssize_t b = 0; b < a->B; b++)
+    for (Py_ssize_t b = 0; b < a->B; b++) {
+        const uint8_t *mask = a->mask + b * a->m_sb;
+        for (Py_ssize_t s = 0; s < S; s++) { /* the keys some row of request b sees */
+            seen[s] = 0;
+            for (Py_ssize_t t = 0; t < a->T; t++) seen[s] |= mask[t * a->m_st + s];
+        }
         for (Py_ssize_t j = 0; j < a->kvh; j++) {
-            const uint8_t *mask = a->mask + b * a->m_sb;
             const char *keys = a->k + (b * a->k_sb + j * a->k_sh) * es;
             const char *values = a->v + (b * a->v_sb + j * a->v_sh) * es;
             for (Py_ssize_t r = 0; r < R; r++) {
@@ -92,9 +96,7 @@ static void attend_all(const Args *a, float *scratch) {
             }
             /* scores of the visible keys, each key read once for all the rows that see it */
             for (Py_ssize_t s = 0; s < S; s++) {
-                int seen = 0;
-                for (Py_ssize_t t = 0; t < a->T; t++) seen |= mask[t * a->m_st + s];
-                if (!seen) continue;
+                if (!seen[s]) continue;
                 load_row(keys + s * hd * es, a->bf16, hd, kf);
                 for (Py_ssize_t t = 0; t < a->T; t++) {
                     if (!mask[t * a->m_st + s]) continue;
@@ -113,9 +115,7 @@ static void attend_all(const Args *a, float *scratch) {
             /* the weighted values and the weights' sums, key by key in slot order (rows interleaved: the sums'
              * additions of different rows overlap) */
             for (Py_ssize_t s = 0; s < S; s++) {
-                int seen = 0;
-                for (Py_ssize_t t = 0; t < a->T; t++) seen |= mask[t * a->m_st + s];
-                if (!seen) continue;
+                if (!seen[s]) continue;
                 load_row(values + s * hd * es, a->bf16, hd, vf);
                 for (Py_ssize_t t = 0; t < a->T; t++) {
                     if (!mask[t * a->m_st + s]) continue;
@@ -138,6 +138,7 @@ static void attend_all(const Args *a, float *scratch) {
                 }
             }
         }
+    }
 }
 
 static PyObject *attend(PyObject *self, PyObject *args) {
@@ -156,9 +157,15 @@ static PyObject *attend(PyObject *self, PyObject *args) {
     Py_ssize_t g = a.nh / a.kvh;
     Py_ssize_t R = a.T * g;
     float *scratch = malloc((size_t)(R * (2 * a.hd + a.S + 2) + 2 * a.hd) * sizeof(float));
-    if (!scratch) return PyErr_NoMemory();
-    attend_all(&a, scratch);
+    uint8_t *seen = malloc((size_t)a.S);
+    if (!scratch || !seen) {
+        free(scratch);
+        free(seen);
+        return PyErr_NoMemory();
+    }
+    attend_all(&a, scratch, seen);
     free(scratch);
+    free(seen);
     Py_RETURN_NONE;
 }
 
