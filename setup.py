@@ -8,5 +8,5 @@ setup(ext_modules=[
     Extension("data._draft_lookup", ["data/_draft_lookup.c"], optional=True, extra_compile_args=["-O2"]),
     # -ffp-contract=off: no fused multiply-adds, so the kernel's avx2 and default clones round alike
     Extension("inference._cpu_kernels", ["inference/_cpu_kernels.c"], optional=True,
-              extra_compile_args=["-O3", "-ffp-contract=off"]),
+              extra_compile_args=["-O3", "-ffp-contract=off", "-Wno-psabi"]),
 ])

@@ -34,13 +34,6 @@ INLINE void load_row(const void *src, int bf16, Py_ssize_t hd, float *dst) {
     }
 }
 
-INLINE float dot(const float *a, const float *b, Py_ssize_t hd) {
-    float lane[LANES] = {0};
-    for (Py_ssize_t d = 0; d < hd; d += LANES)
-        for (int l = 0; l < LANES; l++) lane[l] += a[d + l] * b[d + l];
-    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-}
-
 INLINE uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) (no NaNs here) */
     uint32_t u;
     memcpy(&u, &f, sizeof(float));
@@ -63,6 +56,42 @@ INLINE float exp_nonpositive(float x) {
     return p * scale;
 }
 
+typedef float v8 __attribute__((vector_size(32))); /* 8 floats: one AVX register, two SSE ones */
+
+INLINE v8 load8(const float *p) {
+    v8 x;
+    memcpy(&x, p, sizeof(x));
+    return x;
+}
+
+/* One row of the attention for head_dim HD (a constant where the caller specializes it, so q and the output
+ * accumulator stay in registers). Scores: 8-lane dot products added pairwise; then the softmax weights; then the
+ * weights' sum and the weighted values, key by key in slot order. */
+INLINE void attend_row(const float *qf, const float *K, const float *V, const uint8_t *m, Py_ssize_t S, Py_ssize_t HD,
+                       float scale, float *w, float *acc, float *total_out) {
+    v8 q[32], o[32]; /* HD <= 256 */
+    Py_ssize_t C = HD / LANES;
+    float top = -INFINITY, total = 0.0f;
+    for (Py_ssize_t c = 0; c < C; c++) q[c] = load8(qf + c * LANES), o[c] = (v8){0};
+    for (Py_ssize_t s = 0; s < S; s++) {
+        if (!m[s]) continue;
+        v8 lane = {0};
+        for (Py_ssize_t c = 0; c < C; c++) lane += q[c] * load8(K + s * HD + c * LANES);
+        float x = (((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))) * scale;
+        w[s] = x;
+        top = x > top ? x : top;
+    }
+    for (Py_ssize_t s = 0; s < S; s++) w[s] = m[s] ? exp_nonpositive(w[s] - top) : 0.0f;
+    for (Py_ssize_t s = 0; s < S; s++) {
+        if (!m[s]) continue;
+        float x = w[s];
+        total += x;
+        for (Py_ssize_t c = 0; c < C; c++) o[c] += x * load8(V + s * HD + c * LANES);
+    }
+    for (Py_ssize_t c = 0; c < C; c++) memcpy(acc + c * LANES, &o[c], sizeof(v8));
+    *total_out = total;
+}
+
 typedef struct {
     const char *q, *k, *v;
     const uint8_t *mask;
@@ -72,12 +101,14 @@ typedef struct {
     float scale;
 } Args;
 
-/* scratch: R*(2*hd + S + 2) + 2*hd floats, R = T * nh / kvh query rows per kv head (t-major); seen: S bytes */
+/* One (request, kv head) at a time: its visible keys and values converted to float32 once (bf16), then row by row
+ * (q and the output accumulator stay hot): the scores, the softmax weights, the weighted values and the weights'
+ * sum, each over the row's visible keys in slot order. scratch: S*(2*hd + 1) + 2*hd floats. */
 __attribute__((target_clones("avx2", "default")))
 static void attend_all(const Args *a, float *scratch, uint8_t *seen) {
     Py_ssize_t g = a->nh / a->kvh, R = a->T * g, hd = a->hd, S = a->S, es = a->bf16 ? 2 : 4;
-    float *qf = scratch, *acc = qf + R * hd, *w = acc + R * hd, *mx = w + R * S, *sum = mx + R;
-    float *kf = sum + R, *vf = kf + hd;
+    float *kbuf = scratch, *vbuf = kbuf + S * hd, *w = vbuf + S * hd, *qf = w + S;
+    float *acc = qf + hd;
     for (Py_ssize_t b = 0; b < a->B; b++) {
         const uint8_t *mask = a->mask + b * a->m_sb;
         for (Py_ssize_t s = 0; s < S; s++) { /* the keys some row of request b sees */
@@ -87,50 +118,29 @@ static void attend_all(const Args *a, float *scratch, uint8_t *seen) {
         for (Py_ssize_t j = 0; j < a->kvh; j++) {
             const char *keys = a->k + (b * a->k_sb + j * a->k_sh) * es;
             const char *values = a->v + (b * a->v_sb + j * a->v_sh) * es;
-            for (Py_ssize_t r = 0; r < R; r++) {
-                Py_ssize_t t = r / g, h = j * g + r % g;
-                load_row(a->q + (b * a->q_sb + h * a->q_sh + t * a->q_st) * es, a->bf16, hd, qf + r * hd);
-                mx[r] = -INFINITY;
-                sum[r] = 0.0f;
-                memset(acc + r * hd, 0, (size_t)hd * sizeof(float));
-            }
-            /* scores of the visible keys, each key read once for all the rows that see it */
-            for (Py_ssize_t s = 0; s < S; s++) {
-                if (!seen[s]) continue;
-                load_row(keys + s * hd * es, a->bf16, hd, kf);
-                for (Py_ssize_t t = 0; t < a->T; t++) {
-                    if (!mask[t * a->m_st + s]) continue;
-                    for (Py_ssize_t r = t * g; r < t * g + g; r++) {
-                        float x = dot(qf + r * hd, kf, hd) * a->scale;
-                        w[r * S + s] = x;
-                        if (x > mx[r]) mx[r] = x;
+            const float *K = (const float *)keys, *V = (const float *)values;
+            if (a->bf16) {
+                for (Py_ssize_t s = 0; s < S; s++)
+                    if (seen[s]) {
+                        load_row(keys + s * hd * es, 1, hd, kbuf + s * hd);
+                        load_row(values + s * hd * es, 1, hd, vbuf + s * hd);
                     }
-                }
-            }
-            for (Py_ssize_t r = 0; r < R; r++) { /* the softmax's weights, 0 where masked */
-                const uint8_t *m = mask + (r / g) * a->m_st;
-                float *wr = w + r * S, top = mx[r];
-                for (Py_ssize_t s = 0; s < S; s++) wr[s] = m[s] ? exp_nonpositive(wr[s] - top) : 0.0f;
-            }
-            /* the weighted values and the weights' sums, key by key in slot order (rows interleaved: the sums'
-             * additions of different rows overlap) */
-            for (Py_ssize_t s = 0; s < S; s++) {
-                if (!seen[s]) continue;
-                load_row(values + s * hd * es, a->bf16, hd, vf);
-                for (Py_ssize_t t = 0; t < a->T; t++) {
-                    if (!mask[t * a->m_st + s]) continue;
-                    for (Py_ssize_t r = t * g; r < t * g + g; r++) {
-                        float x = w[r * S + s], *o = acc + r * hd;
-                        sum[r] += x;
-                        for (Py_ssize_t d = 0; d < hd; d++) o[d] += x * vf[d];
-                    }
-                }
+                K = kbuf, V = vbuf;
             }
             for (Py_ssize_t r = 0; r < R; r++) {
                 Py_ssize_t t = r / g, h = j * g + r % g;
+                const uint8_t *m = mask + t * a->m_st;
+                load_row(a->q + (b * a->q_sb + h * a->q_sh + t * a->q_st) * es, a->bf16, hd, qf);
+                float total;
+                if (hd == 64) /* SmolLM2, Llama 2 / 3.2 (1B, 3B) */
+                    attend_row(qf, K, V, m, S, 64, a->scale, w, acc, &total);
+                else if (hd == 128) /* Llama 3 8B / 70B, Qwen2 7B+ */
+                    attend_row(qf, K, V, m, S, 128, a->scale, w, acc, &total);
+                else
+                    attend_row(qf, K, V, m, S, hd, a->scale, w, acc, &total);
                 Py_ssize_t at = ((b * a->T + t) * a->nh + h) * hd;
                 for (Py_ssize_t d = 0; d < hd; d++) {
-                    float x = acc[r * hd + d] / sum[r];
+                    float x = acc[d] / total;
                     if (a->bf16)
                         ((uint16_t *)a->out)[at + d] = to_bf16(x);
                     else
@@ -148,15 +158,13 @@ static PyObject *attend(PyObject *self, PyObject *args) {
                           &a.hd, &a.q_sb, &a.q_sh, &a.q_st, &a.k_sb, &a.k_sh, &a.v_sb, &a.v_sh, &a.m_sb, &a.m_st,
                           &a.bf16, &a.scale))
         return NULL;
-    if (a.kvh <= 0 || a.nh % a.kvh || a.hd % LANES) {
-        PyErr_SetString(PyExc_ValueError, "attend: num_heads must be a multiple of kv_heads and head_dim of 8");
+    if (a.kvh <= 0 || a.nh % a.kvh || a.hd % LANES || a.hd > 256) {
+        PyErr_SetString(PyExc_ValueError, "attend: num_heads must be a multiple of kv_heads, head_dim of 8 (<= 256)");
         return NULL;
     }
     a.q = (const char *)q, a.k = (const char *)k, a.v = (const char *)v;
     a.mask = (const uint8_t *)mask, a.out = (void *)out;
-    Py_ssize_t g = a.nh / a.kvh;
-    Py_ssize_t R = a.T * g;
-    float *scratch = malloc((size_t)(R * (2 * a.hd + a.S + 2) + 2 * a.hd) * sizeof(float));
+    float *scratch = malloc((size_t)(a.S * (2 * a.hd + 1) + 2 * a.hd) * sizeof(float));
     uint8_t *seen = malloc((size_t)a.S);
     if (!scratch || !seen) {
         free(scratch);

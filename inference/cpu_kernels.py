@@ -33,9 +33,10 @@ def enabled() -> bool:
 
 def supported(device: torch.device, dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int,
               hidden: int) -> bool:
-    """Whether the kernels serve a model of these shapes: enabled, on the CPU, float32 or bfloat16, sizes in 8s."""
+    """Whether the kernels serve a model of these shapes: enabled, on the CPU, float32 or bfloat16, sizes in 8s, head
+    dim at most 256."""
     return (enabled() and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and num_heads % kv_heads == 0 and head_dim % 8 == 0 and hidden % 8 == 0)
+            and num_heads % kv_heads == 0 and head_dim % 8 == 0 and head_dim <= 256 and hidden % 8 == 0)
 
 
 def _bf16(x: Tensor) -> int:
