@@ -22,6 +22,19 @@
 #define LANES 8
 #define INLINE static inline __attribute__((always_inline))
 
+typedef float v8 __attribute__((vector_size(32))); /* LANES floats: one AVX register, two SSE ones */
+
+INLINE v8 load8(const float *p) {
+    v8 x;
+    memcpy(&x, p, sizeof(x));
+    return x;
+}
+
+/* the lanes of a sum added pairwise: every sum over a row (dot products, squares) ends in this order */
+INLINE float sum_lanes(v8 lane) {
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
 INLINE void load_row(const void *src, int bf16, Py_ssize_t hd, float *dst) {
     if (!bf16) {
         memcpy(dst, src, (size_t)hd * sizeof(float));
@@ -56,13 +69,6 @@ INLINE float exp_nonpositive(float x) {
     return p * scale;
 }
 
-typedef float v8 __attribute__((vector_size(32))); /* 8 floats: one AVX register, two SSE ones */
-
-INLINE v8 load8(const float *p) {
-    v8 x;
-    memcpy(&x, p, sizeof(x));
-    return x;
-}
 
 /* One row of the attention for head_dim HD (a constant where the caller specializes it, so q and the output
  * accumulator stay in registers). Scores: 8-lane dot products added pairwise; then the softmax weights; then the
@@ -77,7 +83,7 @@ INLINE void attend_row(const float *qf, const float *K, const float *V, const ui
         if (!m[s]) continue;
         v8 lane = {0};
         for (Py_ssize_t c = 0; c < C; c++) lane += q[c] * load8(K + s * HD + c * LANES);
-        float x = (((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))) * scale;
+        float x = sum_lanes(lane) * scale;
         w[s] = x;
         top = x > top ? x : top;
     }
@@ -184,11 +190,9 @@ static void rms_norm_rows(const void *x, const void *weight, void *out, Py_ssize
                           float eps, float *row) {
     for (Py_ssize_t i = 0; i < rows; i++) {
         load_row((const char *)x + i * H * (bf16 ? 2 : 4), bf16, H, row);
-        float lane[LANES] = {0};
-        for (Py_ssize_t d = 0; d < H; d += LANES)
-            for (int l = 0; l < LANES; l++) lane[l] += row[d + l] * row[d + l];
-        float sq = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-        float inv = 1.0f / sqrtf(sq / (float)H + eps);
+        v8 lane = {0};
+        for (Py_ssize_t d = 0; d < H; d += LANES) lane += load8(row + d) * load8(row + d);
+        float inv = 1.0f / sqrtf(sum_lanes(lane) / (float)H + eps);
         if (bf16) {
             const uint16_t *w = weight;
             uint16_t *o = (uint16_t *)out + i * H;

@@ -10,7 +10,7 @@ for its decoding and its verification alike (the lossless check compares those).
 
 RMSNorm and RoPE are a SmolLM2 layer's other small ops: eight and six torch calls each, ~25 us a call on this CPU
 against ~4 us for one compiled call. RoPE gives bitwise torch's result; RMSNorm sums its squares in another order
-(an ulp at most), row by row like the attention."""
+(float32 rounding apart), row by row like the attention."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x * cos + rotate_half(x) * sin for x [B, H, T, hd] (last dim contiguous) and cos / sin [B, 1, T, hd], bitwise;
     returns [B, H, T, hd] as a view of a contiguous [B, T, H, hd] (what the attention's output projection reads)."""
     B, H, T, hd = x.shape
-    cos, sin = cos.expand(B, 1, T, hd).contiguous(), sin.expand(B, 1, T, hd).contiguous()
+    cos, sin = cos.expand(B, 1, T, hd), sin.expand(B, 1, T, hd)  # the rotary's rows: last dim contiguous
     out = torch.empty(B, T, H, hd, dtype=x.dtype)
     _c.rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), B, H, T, hd, x.stride(0), x.stride(1),
             x.stride(2), cos.stride(0), cos.stride(2), _bf16(x))
@@ -63,10 +63,10 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class CompiledAttention:
-    """Decode / verify attention for one forward, mask [B, 1, T, S] bool (the same call as MatmulAttention):
+    """Decode / verify attention for one forward, mask [B, 1, T, S] bool (called as MatmulAttention is):
     per layer q [B, nh, T, hd], keys / values [B, kvh, S, hd] (a span of the cache) -> [B, nh, T, hd] in q's dtype."""
 
-    def __init__(self, mask: Tensor, num_heads: int, kv_heads: int, head_dim: int):
+    def __init__(self, mask: Tensor, head_dim: int):
         self.mask = mask.contiguous()
         self.scale = head_dim**-0.5
 

@@ -302,7 +302,7 @@ class LlamaForward:
         mask = None if causal else cache.attention_mask(rows, slots, tree_mask, span, context_limit)  # [B, 1, T, S]
         attend = None
         if compiled and mask is not None:  # decode / verify on the CPU (inference/cpu_kernels.py)
-            attend = CompiledAttention(mask, self.num_heads, self.kv_heads, self.head_dim)
+            attend = CompiledAttention(mask, self.head_dim)
         elif mask is not None and T <= QUERY_BLOCK and mask.dtype == torch.bool:  # decode / verify (see QUERY_BLOCK)
             exact_rows = -(-GEMM_MIN_ROWS // (self.num_heads // self.kv_heads)) if self.row_invariant else None
             attend = MatmulAttention(mask, self.num_heads, self.kv_heads, self.head_dim, exact_rows)

@@ -418,7 +418,7 @@ def test_matmul_attention_ignores_where_the_keys_sit(L, kind):
     from inference.llama import GEMM_MIN_ROWS, SPAN_BLOCK
     from inference.llama import MatmulAttention as Matmul
 
-    MatmulAttention = Matmul if kind == "matmul" else (lambda mask, *a: CompiledAttention(mask, *a[:3]))
+    MatmulAttention = Matmul if kind == "matmul" else (lambda mask, nh, kvh, hd, rows: CompiledAttention(mask, hd))
 
     g = torch.Generator().manual_seed(0)
     nh, kvh, hd, dt = 9, 3, 64, torch.bfloat16
@@ -461,7 +461,7 @@ def test_compiled_attention_matches_matmul_attention(dtype):
         mask = torch.rand(2, 1, T, S, generator=g) < 0.6
         mask[..., 0] = True  # every query sees at least one key
         want = MatmulAttention(mask, nh, kvh, hd, 3)(q, cache_k[:, :, :S], cache_v[:, :, :S])
-        got = CompiledAttention(mask, nh, kvh, hd)(q, cache_k[:, :, :S], cache_v[:, :, :S])
+        got = CompiledAttention(mask, hd)(q, cache_k[:, :, :S], cache_v[:, :, :S])
         assert got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
 
