@@ -16,9 +16,10 @@ and recounts, so merge(build(A), B) == build(A + B) byte for byte; only the new 
 (the slow part). `--no-corpus` writes a serving-only file, which merge refuses.
 
 A build streams, with `--threads` workers and a progress bar (with an ETA) per step:
-1. tokenize (data/draft_file_tokenize.py): documents are read in batches and encoded by the fast tokenizer's
-   batch encoder (Rust threads, GIL released) while the next batch is read, a long document in pieces (the same
-   ids); each is appended to the stored corpus and to a token stream, PAD between documents, that windows are
+1. tokenize (data/draft_file_tokenize.py): documents are read in batches and encoded while the next batches are
+   read: a tokenizer of GPT-2's byte-level BPE (SmolLM2, GPT-2) by data/cached_bpe.py in `--threads` worker
+   processes, any other by the fast tokenizer's batch encoder (Rust threads), a long document in pieces (the
+   same ids); each is appended to the stored corpus and to a token stream, PAD between documents, that windows are
    read from.
 2. partition (data/draft_file_partition.py): the window starts are spilled to group files by first token,
    packed into sort partitions of at most FINE_WINDOWS. A first token with more windows is spread over several
@@ -57,6 +58,7 @@ from data.draft_file_tokenize import TokenStream, is_validation, iter_token_batc
 from models.errors import DraftheadsError, cli
 from models.files import check_writable
 
+POOL_CHARS = 32 << 20  # corpora larger than this are tokenized by `threads` worker processes
 THRESHOLDS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 
 
@@ -178,7 +180,8 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
                     sink.add([np.asarray(toks[x:y]) for x, y in zip(offs[a: a + 4096], offs[a + 1: a + 4097])])
         pretokenized = [[(np.asarray(d, dtype=np.int64), None) for d in token_docs]] if token_docs else []
         with bar(total=_corpus_chars(corpus or []), unit="char", unit_scale=True, desc="tokenize") as pbar:
-            for batch in (*iter_token_batches(corpus or [], tokenizer), *pretokenized):
+            workers = threads if _corpus_chars(corpus or []) > POOL_CHARS else 1  # spawning costs ~1 s
+            for batch in (*iter_token_batches(corpus or [], tokenizer, workers=workers), *pretokenized):
                 ids = [i for i, _ in batch]
                 top = max((int(i.max()) for i in ids if len(i)), default=-1)
                 if top >= vocab_size:

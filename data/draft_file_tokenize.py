@@ -1,5 +1,6 @@
-"""Tokenizing corpora for draft files (step 1 of data/draft_file_build.py): the fast tokenizer's batch encoder
-pipelined with reading, long documents in pieces that keep their ids, and the token stream windows are read from.
+"""Tokenizing corpora for draft files (step 1 of data/draft_file_build.py): byte-level BPE tokenizers through the
+cached encoder (data/cached_bpe.py) in worker processes, others through the fast tokenizer's batch encoder (long
+documents in pieces that keep their ids), pipelined with reading; and the token stream windows are read from.
 """
 
 from __future__ import annotations
@@ -7,12 +8,14 @@ from __future__ import annotations
 import itertools
 import re
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
+from data.cached_bpe import CachedByteLevelBPE
 from data.draft_file_count import WindowSpec
 
 BATCH_CHARS = 1 << 20  # characters per tokenizer batch (two in flight: their encodings are ~100 B a token)
@@ -76,12 +79,35 @@ def batch_encoder(tokenizer):
     return in_pieces
 
 
-def iter_token_batches(paths: Iterable[str], tokenizer, batch_chars: int = BATCH_CHARS) -> Iterator[list]:
-    """[(token ids, text)] per batch of documents of every corpus path, in order; a batch is read while the one
-    before is encoded."""
+_worker_encoder: CachedByteLevelBPE | None = None
+
+
+def _start_worker(encoder: CachedByteLevelBPE) -> None:
+    global _worker_encoder
+    _worker_encoder = encoder  # unpickled from the tokenizer's JSON: each worker keeps its own caches
+
+
+def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return _worker_encoder.encode_flat(texts)
+
+
+def iter_token_batches(paths: Iterable[str], tokenizer, batch_chars: int | None = None,
+                       workers: int = 1) -> Iterator[list]:
+    """[(token ids, text)] per batch of documents of every corpus path, in order; batches are read while the ones
+    before are encoded (by `workers` processes where the cached encoder serves the tokenizer)."""
     from data.readers import iter_documents
 
-    encode = batch_encoder(tokenizer)
+    batch_chars = batch_chars or BATCH_CHARS
+    cached = CachedByteLevelBPE.of(tokenizer)
+    if cached is None:
+        encode = batch_encoder(tokenizer)
+        flat_ids = lambda texts: _flatten(encode(texts))  # noqa: E731
+        pool = ThreadPoolExecutor(1)
+    elif workers > 1:
+        flat_ids = _encode_in_worker
+        pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _start_worker, (cached,))
+    else:
+        flat_ids, pool = cached.encode_flat, ThreadPoolExecutor(1)  # holds the GIL: pipelining gains nothing
 
     def batches():
         batch, size = [], 0
@@ -96,20 +122,22 @@ def iter_token_batches(paths: Iterable[str], tokenizer, batch_chars: int = BATCH
             yield batch
 
     def done(job):
-        ids, texts = job[0].result(), job[1]
-        lens = [len(i) for i in ids]
-        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=sum(lens))
+        (flat, lens), texts = job[0].result(), job[1]
         return list(zip(np.split(flat, np.cumsum(lens)[:-1]), texts))
 
-    with ThreadPoolExecutor(1) as pool:
-        pending = None
+    with pool:
+        pending = []
         for texts in batches():
-            job = (pool.submit(encode, texts), texts)
-            if pending is not None:
-                yield done(pending)
-            pending = job
-        if pending is not None:
-            yield done(pending)
+            pending.append((pool.submit(flat_ids, texts), texts))
+            if len(pending) > max(workers, 1):
+                yield done(pending.pop(0))
+        while pending:
+            yield done(pending.pop(0))
+
+
+def _flatten(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    lens = np.array([len(i) for i in ids], np.int64)
+    return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lens.sum())), lens
 
 
 def is_validation(text: str | bytes, fraction: float) -> bool:
