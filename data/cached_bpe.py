@@ -73,8 +73,7 @@ class CachedByteLevelBPE:
         backend.no_truncation()
         backend.no_padding()
         self.model = backend.model
-        added = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
-        self.added = added
+        self.added = added = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
         self.split_added = (re.compile("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")")
                             if added else None)
         self.cut, self.words, self.unassigned = gpt2_regexes()
@@ -90,7 +89,8 @@ class CachedByteLevelBPE:
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         if not hasattr(backend, "to_str"):
             return None
-        spec = json.loads(backend.to_str())
+        text = backend.to_str()
+        spec = json.loads(text)
         pre, model = spec.get("pre_tokenizer") or {}, spec.get("model") or {}
         if (spec.get("normalizer") is not None or pre.get("type") != "ByteLevel" or not pre.get("use_regex", True)
                 or pre.get("add_prefix_space") or model.get("type") != "BPE" or model.get("dropout")):
@@ -98,7 +98,7 @@ class CachedByteLevelBPE:
         for t in spec.get("added_tokens", []):
             if t.get("single_word") or t.get("lstrip") or t.get("rstrip") or re.search(r"\s", t["content"]):
                 return None
-        enc = cls(backend.to_str())
+        enc = cls(text)
         ref = backend.encode(PROBE, add_special_tokens=False).ids
         return enc if enc.encode([PROBE])[0].tolist() == ref else None
 

@@ -179,8 +179,9 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
                 for a in range(0, len(offs) - 1, 4096):
                     sink.add([np.asarray(toks[x:y]) for x, y in zip(offs[a: a + 4096], offs[a + 1: a + 4097])])
         pretokenized = [[(np.asarray(d, dtype=np.int64), None) for d in token_docs]] if token_docs else []
-        with bar(total=_corpus_chars(corpus or []), unit="char", unit_scale=True, desc="tokenize") as pbar:
-            workers = threads if _corpus_chars(corpus or []) > POOL_CHARS else 1  # spawning costs ~1 s
+        chars = _corpus_chars(corpus or [])
+        workers = threads if chars > POOL_CHARS else 1  # spawning workers costs ~1 s
+        with bar(total=chars, unit="char", unit_scale=True, desc="tokenize") as pbar:
             for batch in (*iter_token_batches(corpus or [], tokenizer, workers=workers), *pretokenized):
                 ids = [i for i, _ in batch]
                 top = max((int(i.max()) for i in ids if len(i)), default=-1)
