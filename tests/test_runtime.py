@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from inference.generate import generate_plain
 from inference.kv_cache import StaticKVCache
 from inference.llama import LlamaForward, linear, pack_for_cpu
-from inference.runtime import Runtime
+from inference.runtime import Runtime, prefill_groups
 from inference.sampling import SamplingConfig
 from inference.sources.base import Draft
 from models.errors import DraftheadsError
@@ -110,6 +110,27 @@ def test_fast_decode_attention_matches_reference_loop(tiny_target):
     prompts = make_prompts()
     rt = Runtime(tiny_target, max_len=128, batch_size=3, row_invariant=False)
     assert rt.generate(prompts, 24, ignore_eos=True).tokens == reference(tiny_target, prompts, 24)
+
+
+def test_prefill_groups_fit_the_token_budget():
+    assert prefill_groups([5, 9, 3], None) == [(0, 3)]
+    assert prefill_groups([3, 4, 4, 5, 6, 20], 12) == [(0, 3), (3, 5), (5, 6)]  # 3 x 4 and 2 x 6 fit 12; 20 alone
+    assert prefill_groups([0, 0], 1) == [(0, 2)]
+
+
+def test_grouped_prefill_matches_reference_loop(tiny_target, monkeypatch):
+    """row_invariant=False prefills groups of requests, each padded to its own longest prompt: same greedy text, and
+    the features a source reads equal the target's own."""
+    monkeypatch.setattr("inference.runtime.PREFILL_TOKENS", 12)  # prompts of 4, 16, 8 tokens to prefill: 3 groups
+    prompts = make_prompts()
+    ref = reference(tiny_target, prompts, 24)
+    rt = Runtime(tiny_target, max_len=128, batch_size=3, row_invariant=False)
+    assert len(prefill_groups([len(p) - 1 for p in prompts], 12)) == 3
+    source = OracleSource(prompts, ref, needs_features=True)
+    assert rt.generate(prompts, 24, source=source, k=3, ignore_eos=True).tokens == ref
+    for toks, aux, final in source.feature_rows[:3]:  # each request's first round: its prompt's features
+        full = tiny_target(torch.tensor([toks[:-1]]))
+        assert (aux - full.aux_hidden[0]).abs().max() < 1e-4 and (final - full.final_hidden[0]).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("tree", [False, True])
