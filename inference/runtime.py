@@ -136,7 +136,7 @@ class Runtime:
         n_tok = [p.numel() for p in prompts]
         for b, p in enumerate(prompts):
             self.tokens[b, : p.numel()] = p
-        self._prefill(prompts, aux if feats else None, final)
+        self._prefill(prompts, aux, final)
         self._sync()
         stats.prefill_s = time.perf_counter() - t_start
 
