@@ -1,4 +1,5 @@
-"""The runtime's CPU kernels (inference/_cpu_kernels.c): decode / verify attention, RMSNorm and RoPE.
+"""The runtime's CPU kernels (inference/_cpu_kernels.c): decode / verify attention, RMSNorm, RoPE and the bfloat16
+linear of CPUs without native bfloat16.
 
 MatmulAttention (inference/llama.py) gets a row-invariant attention out of GEMMs: queries padded to 8 rows, keys
 padded to 512 slots, float32 copies of the keys and values, about a dozen torch ops per layer. On a 2-core CPU those
@@ -10,13 +11,20 @@ for its decoding and its verification alike (the lossless check compares those).
 
 RMSNorm and RoPE are a SmolLM2 layer's other small ops: eight and six torch calls each, ~25 us a call on this CPU
 against ~4 us for one compiled call. RoPE gives bitwise torch's result; RMSNorm sums its squares in another order
-(float32 rounding apart), row by row like the attention."""
+(float32 rounding apart), row by row like the attention.
+
+The bfloat16 linear: where oneDNN has no native bfloat16 (AVX2 CPUs without AVX-512 BF16 or AMX: most laptops and
+AMD's EPYC before Zen 4), torch's bf16 GEMM ran at ~19 GFLOP/s against ~150 for float32 on the same cores (AMD EPYC,
+AVX2, 2 threads), so verifying drafts cost 3x a decode step. The kernel reads the bf16 weights as they are (half the
+bytes of float32), sums every output in float32 by fused multiply-adds in a fixed order, and rounds once: a row's
+output is the same for any number of rows, which is what decoding a token alone against verifying it needs."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 try:
@@ -37,6 +45,67 @@ def supported(device: torch.device, dtype: torch.dtype, num_heads: int, kv_heads
     dim at most 256."""
     return (enabled() and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and num_heads % kv_heads == 0 and head_dim % 8 == 0 and head_dim <= 256 and hidden % 8 == 0)
+
+
+def _openmp_runtime() -> str | None:
+    """The path of the OpenMP runtime torch loaded into this process (libgomp, libiomp5 or libomp), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/lib" in line}
+    except OSError:
+        return None
+    for name in ("libgomp", "libiomp5", "libomp"):
+        for path in sorted(paths):
+            if os.path.basename(path).startswith(name):
+                return path
+    return None
+
+
+_linear_threads = None  # whether linear_bf16 runs on torch's OpenMP team (looked up once)
+
+
+def serves_bf16_linear(weight: Tensor) -> bool:
+    """Whether `Bf16Weight` serves this weight: bfloat16 on a CPU whose oneDNN has no native bfloat16, the kernels
+    enabled, AVX2 + FMA, a 2-D weight whose input size is a multiple of 8."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] % 8 == 0 and enabled() and _c.has_avx2_fma()
+            and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, weight, bias) in bfloat16 by the compiled kernel (see the module's docstring), on torch's threads:
+    x [..., K], weight [N, K] contiguous bfloat16, bias [N] or None."""
+    global _linear_threads
+    if _linear_threads is None:
+        path = _openmp_runtime()
+        _linear_threads = bool(path) and _c.use_openmp(path)
+    N, K = weight.shape
+    rows = x.numel() // K
+    xf = x.reshape(rows, K).float()
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    out = torch.empty(rows, N, dtype=torch.bfloat16)
+    _c.linear_bf16(xf.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), rows, K,
+                   N, torch.get_num_threads() if _linear_threads else 1)
+    return out.view(*x.shape[:-1], N)
+
+
+class Bf16Weight:
+    """A bfloat16 weight that `inference.llama.linear` multiplies by `linear_bf16` (what `pack_for_cpu` returns where
+    `serves_bf16_linear`). Forwards that need no row invariance (prefills, regeneration) and have at least
+    UPCAST_ROWS rows run one float32 GEMM over a float32 copy of the weight instead: the same products and a float32
+    sum, at float32 GEMM speed, for a conversion that many rows amortise."""
+
+    UPCAST_ROWS = 256
+
+    def __init__(self, weight: Tensor):
+        self.weight = weight.detach().contiguous()
+        self.shape, self.dtype = self.weight.shape, self.weight.dtype
+
+    def linear(self, x: Tensor, bias: Tensor | None, row_invariant: bool) -> Tensor:
+        if not row_invariant and x.numel() // x.shape[-1] >= self.UPCAST_ROWS:
+            return F.linear(x.float(), self.weight.float(), None if bias is None else bias.float()).bfloat16()
+        return linear_bf16(x, self.weight, bias)
 
 
 def _bf16(x: Tensor) -> int:

@@ -53,7 +53,10 @@ def pack_for_cpu(weight: Tensor) -> Tensor:
     bfloat16 F.linear goes through oneDNN but reorders the plain weight into its blocked layout on every call; a
     weight reordered once made the 211 linears of a SmolLM2 decode step 1.2-1.35x faster (AMX Xeon, 2 rows) and
     gives bitwise F.linear's output for 1-64+ rows and every SmolLM2 shape (tests/test_runtime.py). Costs one extra
-    copy of the weights in memory."""
+    copy of the weights in memory. Where oneDNN has no native bfloat16 (AVX2 CPUs), a bfloat16 weight becomes a
+    `cpu_kernels.Bf16Weight`, multiplied by the compiled kernel (no copy)."""
+    if cpu_kernels.serves_bf16_linear(weight):
+        return cpu_kernels.Bf16Weight(weight)
     if not packs_for_cpu(weight):
         return weight
     if weight.dtype == torch.float32:
@@ -94,7 +97,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, row_block: int
     (much cheaper than 2 rows; differences ~1e-6). Nor is a bf16 GEMM's row the same for every row count on every
     CPU: on an AMX Xeon, 33+ rows of SmolLM2's gate/up and LM-head GEMMs rounded differently from 2-32 (an AMD CPU
     gave every count of 2+ the same row), so row_block (decode and verify) runs bf16 inputs in blocks of at most
-    that many rows."""
+    that many rows. A `Bf16Weight` (CPUs without native bfloat16) runs the compiled kernel, whose rows are the same
+    for any row count."""
+    if isinstance(weight, cpu_kernels.Bf16Weight):
+        return weight.linear(x, bias, row_invariant=row_block is not None)
     if x.device.type == "cpu" and x.dtype != torch.float32:
         rows = x.numel() // x.shape[-1]
         if rows == 1:

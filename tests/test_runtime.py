@@ -429,6 +429,36 @@ def test_bf16_decode_linears_give_a_row_the_same_bits_in_any_batch():
         assert torch.equal(linear(x[None, :40], w, row_block=ROW_BLOCK)[0], alone[:40])  # [B, T, H] inputs too
 
 
+def test_compiled_bf16_linear_rounds_once_and_gives_a_row_the_same_bits_in_any_batch():
+    """inference/cpu_kernels.py linear_bf16 (CPUs without native bfloat16): within one bf16 step of the float64
+    product (plus a float32 sum's rounding), and a row's bits the same alone, among 2-70 rows, on 1 or 2 threads, with or without a bias."""
+    from inference import cpu_kernels
+
+    if not (cpu_kernels.enabled() and cpu_kernels._c.has_avx2_fma()):
+        pytest.skip("needs the compiled kernels on an AVX2 + FMA CPU")
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((1536, 576), (13, 40)):  # SmolLM2's gate; a width that leaves a partial tile
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+        b = torch.randn(n, generator=g).bfloat16()
+        x = torch.randn(70, k, generator=g).bfloat16()
+        for bias in (None, b):
+            exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            got = cpu_kernels.linear_bf16(x, w, bias)
+            ulp = exact.abs().clamp_min(1e-30).log2().floor().exp2() * 2**-7  # a bf16 step at the exact value
+            float32_sum = 2**-20 * (x.double().abs() @ w.double().abs().T)  # the float32 sum's own rounding
+            assert ((got.double() - exact).abs() <= ulp + float32_sum).all()
+            alone = torch.cat([cpu_kernels.linear_bf16(x[i: i + 1], w, bias) for i in range(len(x))])
+            threads = torch.get_num_threads()
+            try:
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    for rows in (2, 3, 5, 17, 70):
+                        assert torch.equal(cpu_kernels.linear_bf16(x[:rows], w, bias), alone[:rows]), (t, rows)
+            finally:
+                torch.set_num_threads(threads)
+            assert torch.equal(cpu_kernels.linear_bf16(x[None, :6], w, bias)[0], alone[:6])  # [B, T, K] inputs
+
+
 @pytest.mark.parametrize("L", [300, 480, 700, 1000])  # the tree's span one SPAN_BLOCK longer than the decode's
 @pytest.mark.parametrize("kind", ["matmul", "compiled"])
 def test_matmul_attention_ignores_where_the_keys_sit(L, kind):
