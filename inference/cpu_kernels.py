@@ -21,6 +21,7 @@ output is the same for any number of rows, which is what decoding a token alone 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -64,12 +65,22 @@ def _openmp_runtime() -> str | None:
 _linear_threads = None  # whether linear_bf16 runs on torch's OpenMP team (looked up once)
 
 
+def emulates_bf16(x: Tensor) -> bool:
+    """Whether x is bfloat16 on a CPU whose oneDNN has no native bfloat16 (its bf16 GEMMs run ~8x slower than
+    float32 there)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _native_bf16()
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def serves_bf16_linear(weight: Tensor) -> bool:
     """Whether `Bf16Weight` serves this weight: bfloat16 on a CPU whose oneDNN has no native bfloat16, the kernels
     enabled, AVX2 + FMA, a 2-D weight whose input size is a multiple of 8."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[1] % 8 == 0 and enabled() and _c.has_avx2_fma()
-            and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (emulates_bf16(weight) and weight.dim() == 2 and weight.shape[1] % 8 == 0 and enabled()
+            and _c.has_avx2_fma())
 
 
 def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

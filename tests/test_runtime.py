@@ -112,6 +112,22 @@ def test_fast_decode_attention_matches_reference_loop(tiny_target):
     assert rt.generate(prompts, 24, ignore_eos=True).tokens == reference(tiny_target, prompts, 24)
 
 
+def test_fast_bf16_decode_attention_matches_float32_attention():
+    """MatmulAttention without exact rows (regeneration) in bfloat16, float32 GEMMs where the CPU emulates bf16:
+    the float32 attention's output to bf16 precision, over the visible keys only."""
+    from inference.llama import MatmulAttention
+
+    g = torch.Generator().manual_seed(0)
+    B, nh, kvh, T, S, hd = 3, 6, 2, 1, 40, 16
+    q, k, v = (torch.randn(B, h, n, hd, generator=g) for h, n in ((nh, T), (kvh, S), (kvh, S)))
+    mask = torch.rand(B, 1, T, S, generator=g) < 0.7
+    got = MatmulAttention(mask, nh, kvh, hd, None)(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(nh // kvh, 1), v.repeat_interleave(nh // kvh, 1),
+                                          attn_mask=mask)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0.03, atol=0.03)
+
+
 def test_prefill_groups_fit_the_token_budget():
     assert prefill_groups([5, 9, 3], None) == [(0, 3)]
     assert prefill_groups([3, 4, 4, 5, 6, 20], 12) == [(0, 3), (3, 5), (5, 6)]  # 3 x 4 and 2 x 6 fit 12; 20 alone
