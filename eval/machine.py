@@ -21,7 +21,6 @@ import time
 import torch
 
 from inference import cpu_kernels, host_memory
-from train.distributed import cpu_bf16_instructions
 
 
 def _best_seconds(fn, budget_s: float = 0.2) -> float:
@@ -64,7 +63,7 @@ def machine_info() -> dict:
 
     return {"cpu": _cpu_model(), "cpus_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "bf16_isa": cpu_bf16_instructions(),
+            "bf16_isa": list(cpu_kernels.bf16_instructions()),
             "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"), "malloc": host_memory.policy(),
             "cpu_kernels": cpu_kernels.enabled(),

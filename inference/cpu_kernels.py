@@ -13,9 +13,10 @@ RMSNorm and RoPE are a SmolLM2 layer's other small ops: eight and six torch call
 against ~4 us for one compiled call. RoPE gives bitwise torch's result; RMSNorm sums its squares in another order
 (float32 rounding apart), row by row like the attention.
 
-The bfloat16 linear: where oneDNN has no native bfloat16 (AVX2 CPUs without AVX-512 BF16 or AMX: most laptops and
-AMD's EPYC before Zen 4), torch's bf16 GEMM ran at ~19 GFLOP/s against ~150 for float32 on the same cores (AMD EPYC,
-AVX2, 2 threads), so verifying drafts cost 3x a decode step. The kernel reads the bf16 weights as they are (half the
+The bfloat16 linear: where the CPU has no bfloat16 instructions (no AVX-512 BF16 or AMX: most laptops, Intel's Xeons
+before Cooper Lake / Sapphire Rapids, AMD's EPYC before Zen 4), oneDNN emulates bf16 GEMMs: ~19 GFLOP/s against ~150
+for float32 on the same cores (AMD EPYC, AVX2, 2 threads), ~52 against ~174 (AVX-512 Xeon without BF16), so verifying
+drafts cost 3x a decode step. The kernel reads the bf16 weights as they are (half the
 bytes of float32), sums every output in float32 by fused multiply-adds in a fixed order, and rounds once: a row's
 output is the same for any number of rows, which is what decoding a token alone against verifying it needs."""
 
@@ -62,34 +63,41 @@ def _openmp_runtime() -> str | None:
     return None
 
 
-_linear_threads = None  # whether linear_bf16 runs on torch's OpenMP team (looked up once)
-
-
 def emulates_bf16(x: Tensor) -> bool:
-    """Whether x is bfloat16 on a CPU whose oneDNN has no native bfloat16 (its bf16 GEMMs run ~8x slower than
-    float32 there)."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _native_bf16()
+    """Whether x is bfloat16 on a CPU without bfloat16 instructions, where oneDNN emulates bf16 GEMMs (~3x slower than
+    float32 on an AVX-512 Xeon without BF16, ~8x on an AVX2 EPYC)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not bf16_instructions()
 
 
 @functools.cache
-def _native_bf16() -> bool:
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def bf16_instructions() -> tuple[str, ...]:
+    """The CPU's native bfloat16 instruction sets (AVX-512 BF16, AMX) from /proc/cpuinfo; () where unknown. oneDNN's
+    own check (`torch.ops.mkldnn._is_mkldnn_bf16_supported`) also says yes on AVX-512 CPUs that only emulate bf16."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return ()
+    return tuple(f for f in ("avx512_bf16", "amx_bf16") if f in flags)
 
 
 def serves_bf16_linear(weight: Tensor) -> bool:
-    """Whether `Bf16Weight` serves this weight: bfloat16 on a CPU whose oneDNN has no native bfloat16, the kernels
+    """Whether `Bf16Weight` serves this weight: bfloat16 on a CPU without bfloat16 instructions, the kernels
     enabled, AVX2 + FMA, a 2-D weight whose input size is a multiple of 8."""
     return (emulates_bf16(weight) and weight.dim() == 2 and weight.shape[1] % 8 == 0 and enabled()
             and _c.has_avx2_fma())
 
 
+@functools.cache
+def _on_torch_threads() -> bool:
+    """Whether linear_bf16 runs on torch's OpenMP team (found once, in the runtime torch loaded)."""
+    path = _openmp_runtime()
+    return bool(path) and _c.use_openmp(path)
+
+
 def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias) in bfloat16 by the compiled kernel (see the module's docstring), on torch's threads:
     x [..., K], weight [N, K] contiguous bfloat16, bias [N] or None."""
-    global _linear_threads
-    if _linear_threads is None:
-        path = _openmp_runtime()
-        _linear_threads = bool(path) and _c.use_openmp(path)
     N, K = weight.shape
     rows = x.numel() // K
     xf = x.reshape(rows, K).float()
@@ -97,7 +105,7 @@ def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
         bias = bias.to(torch.bfloat16).contiguous()
     out = torch.empty(rows, N, dtype=torch.bfloat16)
     _c.linear_bf16(xf.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), rows, K,
-                   N, torch.get_num_threads() if _linear_threads else 1)
+                   N, torch.get_num_threads() if _on_torch_threads() else 1)
     return out.view(*x.shape[:-1], N)
 
 
@@ -111,7 +119,6 @@ class Bf16Weight:
 
     def __init__(self, weight: Tensor):
         self.weight = weight.detach().contiguous()
-        self.shape, self.dtype = self.weight.shape, self.weight.dtype
 
     def linear(self, x: Tensor, bias: Tensor | None, row_invariant: bool) -> Tensor:
         if not row_invariant and x.numel() // x.shape[-1] >= self.UPCAST_ROWS:

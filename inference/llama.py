@@ -34,8 +34,10 @@ def _intel_cpu() -> bool:
 
 
 def packs_for_cpu(weight: Tensor) -> bool:
-    """Whether `pack_for_cpu` packs this weight: bfloat16 wherever oneDNN runs it, float32 on CPUs other than Intel's
-    (see `pack_for_cpu`)."""
+    """Whether `pack_for_cpu` packs this weight: bfloat16 for the compiled kernel or wherever oneDNN runs it, float32
+    on CPUs other than Intel's (see `pack_for_cpu`)."""
+    if cpu_kernels.serves_bf16_linear(weight):
+        return True
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if weight.dtype == torch.float32:
@@ -53,7 +55,7 @@ def pack_for_cpu(weight: Tensor) -> Tensor:
     bfloat16 F.linear goes through oneDNN but reorders the plain weight into its blocked layout on every call; a
     weight reordered once made the 211 linears of a SmolLM2 decode step 1.2-1.35x faster (AMX Xeon, 2 rows) and
     gives bitwise F.linear's output for 1-64+ rows and every SmolLM2 shape (tests/test_runtime.py). Costs one extra
-    copy of the weights in memory. Where oneDNN has no native bfloat16 (AVX2 CPUs), a bfloat16 weight becomes a
+    copy of the weights in memory. Where the CPU has no bfloat16 instructions, a bfloat16 weight becomes a
     `cpu_kernels.Bf16Weight`, multiplied by the compiled kernel (no copy)."""
     if cpu_kernels.serves_bf16_linear(weight):
         return cpu_kernels.Bf16Weight(weight)

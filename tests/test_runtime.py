@@ -335,9 +335,8 @@ def test_packed_cpu_weights_match_f_linear(monkeypatch):
     torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     xb, wb = x.bfloat16(), w.bfloat16()
     assert torch.equal(linear(xb[0, :1], wb), linear(xb[0, :3], wb)[:1])  # a row alone == the row among others
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # bf16 packed: bitwise F.linear for every row count
-        packed = pack_for_cpu(wb)
-        assert packed.is_mkldnn
+    packed = pack_for_cpu(wb)
+    if getattr(packed, "is_mkldnn", False):  # bf16 packed for oneDNN: bitwise F.linear for every row count
         for rows in (1, 2, 3, 5, 17, 33, 64):
             xr = torch.randn(rows, 32, generator=g).bfloat16()
             assert torch.equal(linear(xr, packed, b.bfloat16()), linear(xr, wb, b.bfloat16()))
@@ -356,7 +355,7 @@ def test_fused_projections_equal_the_separate_linears(dtype, monkeypatch):
     for m in mods:
         m.weight.data = (torch.randn(m.weight.shape, generator=g) * 0.05).to(dtype)
     fused, separate = Projections(mods, pack=True), [(pack_for_cpu(m.weight), m.bias) for m in mods]
-    assert len(fused.parts) == 1 or dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert len(fused.parts) == 1 or not inference.llama.packs_for_cpu(mods[0].weight)
     with torch.no_grad():
         for rows in (1, 2, 5, 16, 33):
             x = torch.randn(1, rows, 576, generator=g).to(dtype)

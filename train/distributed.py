@@ -97,16 +97,9 @@ def resolve_mixed_precision(value: str, device: str) -> str:
 
     if device == "cuda":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    return "bf16" if cpu_bf16_instructions() else "no"
+    from inference.cpu_kernels import bf16_instructions
 
-
-def cpu_bf16_instructions() -> list[str]:
-    """The CPU's native bfloat16 instruction sets (AVX-512 BF16, AMX) from /proc/cpuinfo; [] where unknown."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return []
-    return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return "bf16" if bf16_instructions() else "no"
 
 
 def make_accelerator(ac, tc, device: str):
