@@ -96,6 +96,7 @@ class TrainConfig:
     rl_pg_weight: float = 0.1  # REINFORCE term on the exact-rule accepted length (leave-one-out batch baseline)
     rl_max_context: int = 256  # RL: context tokens the target re-reads per sequence (keeps the online forward cheap)
     rl_anchors: int = 16  # RL: draft blocks per sequence and step, all scored in the sequence's one target forward
+    rl_anchor_policy: str = "uniform"  # RL: uniform over the answer | round_starts of the head's greedy chain
     rl_temperature: Optional[float] = None  # RL: serving temperature to optimise; None = the schedule's; 0 = greedy
     rl_surrogate_temperature: float = 1.0  # RL at rl_temperature=0: the head's softmax T inside alpha (< 1 sharpens)
     replay_features: Optional[str] = None  # fine-tuning: a feature directory of general data to mix in
@@ -232,7 +233,8 @@ RULES: dict[str, Callable] = {
     "train.temperature.start": above(0), "train.temperature.end": above(0),
     "train.temperature.schedule": one_of("constant", "linear", "cosine", "exp"), "train.temperature.steps": at_least(1),
     "train.rl_kl_weight": at_least(0), "train.rl_pg_weight": at_least(0), "train.rl_max_context": at_least(2),
-    "train.rl_anchors": at_least(1), "train.rl_temperature": at_least(0), "train.rl_surrogate_temperature": above(0),
+    "train.rl_anchors": at_least(1), "train.rl_anchor_policy": one_of("uniform", "round_starts"),
+    "train.rl_temperature": at_least(0), "train.rl_surrogate_temperature": above(0),
     "train.checkpoint_every": at_least(1), "train.holdout_sequences": at_least(0), "train.eval_every": at_least(1),
     "train.keep_best_by": one_of("val_tau_chain", "val_loss"), "train.log_every": at_least(1),
     "train.seed": at_least(0), "train.replay_fraction": between(0, 0.95),

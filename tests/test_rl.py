@@ -13,8 +13,10 @@ from models.checkpoint import load_draft
 from models.dspark import dspark_for_target
 from models.peagle import DraftCache, peagle_for_target
 from tests.test_trainer import make_cfg, tiny_features
+from train.chain import agreement, simulate_chain
 from train.rl import (BLOCK_SEED, HOLDOUT_SEED, block_batch, block_logits, block_plan, pick_anchors,
-                      rl_validation_fn, score_blocks)
+                      rl_validation_fn, round_starts, score_blocks)
+from train.trainer import collate
 
 K = 4
 
@@ -158,20 +160,39 @@ def test_rl_validation_equals_greedy_acceptance_by_hand(tiny_target):
         assert got[f"val_alpha_{d + 1}"] == pytest.approx(float(torch.stack(alphas)[:, d].mean()), abs=2e-6)
 
 
-def test_rl_run_logs_the_held_out_objective_before_and_after(tiny_target, tmp_path):
-    """The trainer's RL validation merges val_tau_est with the on-policy objective, at step 0 and at the end, and
-    the logged numbers are rl_validation_fn's on the stage-1 and final heads."""
+def test_round_start_anchors_are_the_greedy_chains_rounds(tiny_target):
+    """rl_anchor_policy=round_starts draws anchors only where the head's simulated greedy chain starts a round."""
+    torch.manual_seed(0)
+    head = peagle_for_target(tiny_target, k=K, num_layers=1, parallel=True)
+    items = held_out(tiny_target)[:4]
+    starts = round_starts(head, tiny_target, items, K, 30, "cpu")
+    hit = agreement(head, tiny_target, collate(items, "cpu"), K)
+    for b, it in enumerate(items):
+        want = [t for t, _ in simulate_chain(hit[b], it["loss_mask"])]
+        assert starts[b].nonzero().flatten().tolist() == want
+        assert want[0] == 5  # the first round drafts the second answer token (prefill emits the first)
+        got = pick_anchors(it, 3, 30, torch.Generator().manual_seed(b), among=starts[b])
+        assert len(got) == 3 and set(got) <= set(want)
+    short = round_starts(head, tiny_target, items, K, 16, "cpu")
+    assert all(s.nonzero().max() < 16 for s in short)
+
+
+@pytest.mark.parametrize("policy", ["uniform", "round_starts"])
+def test_rl_run_logs_the_held_out_objective_before_and_after(tiny_target, tmp_path, policy):
+    """The trainer's RL validation merges val_tau_est and val_tau_chain with the on-policy objective, at step 0 and at
+    the end, and the logged numbers are rl_validation_fn's on the stage-1 and final heads."""
     from train.trainer import train_draft
 
     feats = tiny_features(tiny_target, n=6)
     cfg = make_cfg(tmp_path, steps=2, rl_steps=2, rl_lr=1e-2, stages=["soft_label", "rl"], rl_max_context=30,
-                   rl_anchors=4, holdout_sequences=2, eval_every=100)
+                   rl_anchors=4, holdout_sequences=2, eval_every=100, rl_anchor_policy=policy)
     train_draft(cfg, tiny_target, feats, tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in rows if r["stage"] == "rl" and "val_expected_accepted" in r]
     assert [r["step"] for r in val] == [0, 2]
     for row, head_dir in zip(val, ("head_soft_label", "head")):
-        assert {"val_tau_est", "val_reward", "val_alpha_1", "val_alpha_3", "val_serve_temperature"} <= set(row)
+        assert {"val_tau_est", "val_tau_chain", "val_reward", "val_alpha_1", "val_alpha_3",
+                "val_serve_temperature"} <= set(row)
         head = load_draft(tmp_path / head_dir, tiny_target).eval()
         again = rl_validation_fn(head, tiny_target, feats[-2:], cfg.train, 3, tiny_target.device)()
         assert {k: row[k] for k in again} == pytest.approx(again, abs=2e-6)

@@ -1,7 +1,9 @@
 """Stage 2: acceptance-rate RL, on-policy, through the same loop as stage 1 (train/loop.py run_stage).
 
 One step, for B sequences of the feature set:
-  1. pick up to rl_anchors distinct anchors a inside the trained (assistant) span, a + 2 <= rl_max_context;
+  1. pick up to rl_anchors distinct anchors a inside the trained (assistant) span, a + 2 <= rl_max_context: uniformly,
+     or (train.rl_anchor_policy=round_starts) among the round starts of the greedy chain the head runs now, the
+     positions greedy serving drafts from (train/chain.py);
   2. sample a block y_1..y_K from the current head at each anchor (chain heads feed their samples back);
   3. the frozen target scores every block of a sequence in ONE teacher-forced forward: the context once, then the
      blocks side by side, block m seeing the context up to its anchor and itself (a forest, as in tree
@@ -18,11 +20,13 @@ with q at train.rl_surrogate_temperature: 1 is the head's own distribution; belo
 acceptance and its gradient concentrates on near misses (the target's token just below the head's argmax), the
 cases one step can flip. There is no REINFORCE term at 0 (the blocks are not samples of q); the KL anchor stays at T=1.
 Held out (rl_validation_fn), steps 1-4 without the loss run on every held-out sequence at fixed seeds: the
-objective itself (val_expected_accepted, val_reward, val_alpha_k), logged next to stage 1's val_tau_est.
+objective itself (val_expected_accepted, val_reward, val_alpha_k), logged next to stage 1's val_tau_est and
+val_tau_chain (train.val_tau_chain).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +41,11 @@ from inference.verify import acceptance_rates, accepts
 from models.families import family
 from models.errors import DraftheadsError
 from models.peagle import DraftCache
+from train.chain import agreement, chain_fn, simulate_chain
 from train.cod import CodPlan
 from train.distributed import full_parameters
 from train.loop import Shard, Stage, Tally, run_stage
-from train.trainer import batch_indices, soft_label_loss, validation_fn
+from train.trainer import batch_indices, collate, prepare_batch, soft_label_loss, validation_fn
 
 BLOCK_SEED = 2_000_003
 HOLDOUT_SEED = 1_000_000_007  # rl_validation_fn's draws: offset far past any training micro-step
@@ -53,14 +58,35 @@ def frozen_copy(head, target):
     return ref.to(device=target.device, dtype=target.dtype).attach_target(target).eval().requires_grad_(False)
 
 
-def pick_anchors(item: dict, n: int, max_context: int, g: torch.Generator) -> list[int]:
-    """Up to n distinct anchors a (sorted) whose first draft token x_{a+2} is a trained token, a + 2 <= max_context."""
+def usable_anchors(item: dict, max_context: int) -> Tensor:
+    """bool [L]: anchors a whose first draft token x_{a+2} is a trained token, a + 2 <= max_context."""
     L = len(item["input_ids"])
     idx = torch.arange(L)
     ok = (idx + 2 < L) & (idx + 2 <= max_context)
-    ok &= item["loss_mask"][(idx + 2).clamp(max=L - 1)]
-    cand = ok.nonzero().squeeze(1)
+    return ok & item["loss_mask"][(idx + 2).clamp(max=L - 1)].bool()
+
+
+def pick_anchors(item: dict, n: int, max_context: int, g: torch.Generator, among: Tensor | None = None) -> list[int]:
+    """Up to n distinct usable anchors (sorted), drawn uniformly; `among` (bool [L]) narrows the candidates."""
+    ok = usable_anchors(item, max_context)
+    cand = (ok if among is None else ok & among).nonzero().squeeze(1)
     return sorted(cand[torch.randperm(cand.numel(), generator=g)[:n]].tolist())
+
+
+def round_starts(model, target, items: list[dict], k: int, max_context: int, device) -> list[Tensor]:
+    """bool [L] per sequence: the anchors where the greedy chain the head would run now starts its rounds
+    (train.chain, teacher-forced over the sequence's first max_context tokens). A round starts right after a
+    rejection, so these are the positions greedy serving drafts from, harder than the average one."""
+    cut = [{key: v[:max_context] if torch.is_tensor(v) and v.dim() and v.shape[0] == len(it["input_ids"]) else v
+            for key, v in it.items()} for it in items]
+    hit = agreement(model, target, collate(cut, device), k)
+    starts = []
+    for it, c, h in zip(items, cut, hit):
+        mask = torch.zeros(len(it["input_ids"]), dtype=torch.bool)
+        for t, _ in simulate_chain(h, c["loss_mask"].bool()):
+            mask[t] = True
+        starts.append(mask)
+    return starts
 
 
 def block_plan(anchors: Tensor, valid: Tensor, k: int) -> CodPlan:
@@ -224,6 +250,10 @@ def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None):
             anchor_lists.append(picked)
         if fill is not None:
             items = fill(items)
+        if tc.rl_anchor_policy == "round_starts":  # where the current head's greedy chain starts its rounds
+            starts = round_starts(model, target, items, k, tc.rl_max_context, device)
+            anchor_lists = [pick_anchors(it, tc.rl_anchors, tc.rl_max_context, g, among=s) or uniform
+                            for it, s, uniform in zip(items, starts, anchor_lists)]
         r = rollout(model, core, scorer, items, anchor_lists, tc, k, serve_t, g, device)
         N = r.reward.numel()
         loss = -r.expected.mean()
@@ -341,7 +371,8 @@ def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, s
     validate = None
     if holdout is not None:
         tau_est = validation_fn(soft_label_loss(target, tc, k, head.family_name, target.device, fill), holdout,
-                                tc.batch_size, k)
+                                tc.batch_size, k, chain_fn(target, k) if tc.val_tau_chain else None,
+                                functools.partial(prepare_batch, device=target.device, fill=fill))
         on_policy = rl_validation_fn(head, target, holdout, tc, k, target.device, fill)
 
         def validate(model, shard: Shard) -> dict:
