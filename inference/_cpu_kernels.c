@@ -321,7 +321,7 @@ __attribute__((target("avx2,fma"))) static inline void store_dot(const Linear *a
 }
 
 /* columns [n0, n1): one row streams the weights as bf16; more rows convert a tile of NB weight rows to float32 once
- * and sweep the rows two at a time over it. Both give every (r, n) the arithmetic described above. */
+ * and sweep the rows three (then two, then one) at a time over it. Both give every (r, n) the arithmetic described above. */
 __attribute__((target("avx2,fma"))) static void linear_columns(const Linear *a, Py_ssize_t n0, Py_ssize_t n1,
                                                                 float *tile) {
     Py_ssize_t K = a->K, R = a->R;
@@ -344,6 +344,26 @@ __attribute__((target("avx2,fma"))) static void linear_columns(const Linear *a, 
         for (Py_ssize_t k = 0; k < NB * K; k += LANES) _mm256_storeu_ps(tile + k, load_bf16x8(w + k));
         const float *t0 = tile, *t1 = tile + K, *t2 = tile + 2 * K, *t3 = tile + 3 * K;
         Py_ssize_t r = 0;
+        for (; r + 3 <= R; r += 3) { /* 12 accumulators + 3 inputs + 1 weight vector: the 16 AVX2 registers */
+            const float *x0 = a->x + r * K, *x1 = x0 + K, *x2 = x1 + K;
+            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00, c20 = c00,
+                   c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+            for (Py_ssize_t k = 0; k < K; k += LANES) {
+                __m256 y0 = _mm256_loadu_ps(x0 + k), y1 = _mm256_loadu_ps(x1 + k), y2 = _mm256_loadu_ps(x2 + k), v;
+                v = _mm256_loadu_ps(t0 + k), c00 = _mm256_fmadd_ps(v, y0, c00), c01 = _mm256_fmadd_ps(v, y1, c01),
+                c02 = _mm256_fmadd_ps(v, y2, c02);
+                v = _mm256_loadu_ps(t1 + k), c10 = _mm256_fmadd_ps(v, y0, c10), c11 = _mm256_fmadd_ps(v, y1, c11),
+                c12 = _mm256_fmadd_ps(v, y2, c12);
+                v = _mm256_loadu_ps(t2 + k), c20 = _mm256_fmadd_ps(v, y0, c20), c21 = _mm256_fmadd_ps(v, y1, c21),
+                c22 = _mm256_fmadd_ps(v, y2, c22);
+                v = _mm256_loadu_ps(t3 + k), c30 = _mm256_fmadd_ps(v, y0, c30), c31 = _mm256_fmadd_ps(v, y1, c31),
+                c32 = _mm256_fmadd_ps(v, y2, c32);
+            }
+            store_dot(a, r, n, c00), store_dot(a, r + 1, n, c01), store_dot(a, r + 2, n, c02);
+            store_dot(a, r, n + 1, c10), store_dot(a, r + 1, n + 1, c11), store_dot(a, r + 2, n + 1, c12);
+            store_dot(a, r, n + 2, c20), store_dot(a, r + 1, n + 2, c21), store_dot(a, r + 2, n + 2, c22);
+            store_dot(a, r, n + 3, c30), store_dot(a, r + 1, n + 3, c31), store_dot(a, r + 2, n + 3, c32);
+        }
         for (; r + 2 <= R; r += 2) {
             const float *x0 = a->x + r * K, *x1 = x0 + K;
             __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
