@@ -58,17 +58,13 @@ def frozen_copy(head, target):
     return ref.to(device=target.device, dtype=target.dtype).attach_target(target).eval().requires_grad_(False)
 
 
-def usable_anchors(item: dict, max_context: int) -> Tensor:
-    """bool [L]: anchors a whose first draft token x_{a+2} is a trained token, a + 2 <= max_context."""
+def pick_anchors(item: dict, n: int, max_context: int, g: torch.Generator, among: Tensor | None = None) -> list[int]:
+    """Up to n distinct anchors a (sorted, drawn uniformly) whose first draft token x_{a+2} is a trained token,
+    a + 2 <= max_context; `among` (bool [L]) narrows the candidates."""
     L = len(item["input_ids"])
     idx = torch.arange(L)
     ok = (idx + 2 < L) & (idx + 2 <= max_context)
-    return ok & item["loss_mask"][(idx + 2).clamp(max=L - 1)].bool()
-
-
-def pick_anchors(item: dict, n: int, max_context: int, g: torch.Generator, among: Tensor | None = None) -> list[int]:
-    """Up to n distinct usable anchors (sorted), drawn uniformly; `among` (bool [L]) narrows the candidates."""
-    ok = usable_anchors(item, max_context)
+    ok &= item["loss_mask"][(idx + 2).clamp(max=L - 1)].bool()
     cand = (ok if among is None else ok & among).nonzero().squeeze(1)
     return sorted(cand[torch.randperm(cand.numel(), generator=g)[:n]].tolist())
 
