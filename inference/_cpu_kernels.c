@@ -321,7 +321,8 @@ __attribute__((target("avx2,fma"))) static inline void store_dot(const Linear *a
 }
 
 /* columns [n0, n1): one row streams the weights as bf16; more rows convert a tile of NB weight rows to float32 once
- * and sweep the rows three (then two, then one) at a time over it. Both give every (r, n) the arithmetic described above. */
+ * and sweep the rows three (then two, then one) at a time over it. Both give every (r, n) the arithmetic described
+ * above. */
 __attribute__((target("avx2,fma"))) static void linear_columns(const Linear *a, Py_ssize_t n0, Py_ssize_t n1,
                                                                 float *tile) {
     Py_ssize_t K = a->K, R = a->R;

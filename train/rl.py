@@ -26,7 +26,6 @@ val_tau_chain (train.val_tau_chain).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +40,11 @@ from inference.verify import acceptance_rates, accepts
 from models.families import family
 from models.errors import DraftheadsError
 from models.peagle import DraftCache
-from train.chain import agreement, chain_fn, simulate_chain
+from train.chain import agreement, simulate_chain
 from train.cod import CodPlan
 from train.distributed import full_parameters
 from train.loop import Shard, Stage, Tally, run_stage
-from train.trainer import batch_indices, collate, prepare_batch, soft_label_loss, validation_fn
+from train.trainer import batch_indices, collate, soft_label_validation
 
 BLOCK_SEED = 2_000_003
 HOLDOUT_SEED = 1_000_000_007  # rl_validation_fn's draws: offset far past any training micro-step
@@ -76,12 +75,9 @@ def round_starts(model, target, items: list[dict], k: int, max_context: int, dev
     cut = [{key: v[:max_context] if torch.is_tensor(v) and v.dim() and v.shape[0] == len(it["input_ids"]) else v
             for key, v in it.items()} for it in items]
     hit = agreement(model, target, collate(cut, device), k)
-    starts = []
-    for it, c, h in zip(items, cut, hit):
-        mask = torch.zeros(len(it["input_ids"]), dtype=torch.bool)
-        for t, _ in simulate_chain(h, c["loss_mask"].bool()):
-            mask[t] = True
-        starts.append(mask)
+    starts = [torch.zeros(len(it["input_ids"]), dtype=torch.bool) for it in items]
+    for mask, c, h in zip(starts, cut, hit):
+        mask[[t for t, _ in simulate_chain(h, c["loss_mask"].bool())]] = True
     return starts
 
 
@@ -366,9 +362,7 @@ def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, s
     reference = frozen_copy(head, target)
     validate = None
     if holdout is not None:
-        tau_est = validation_fn(soft_label_loss(target, tc, k, head.family_name, target.device, fill), holdout,
-                                tc.batch_size, k, chain_fn(target, k) if tc.val_tau_chain else None,
-                                functools.partial(prepare_batch, device=target.device, fill=fill))
+        tau_est = soft_label_validation(target, tc, k, head.family_name, holdout, fill)
         on_policy = rl_validation_fn(head, target, holdout, tc, k, target.device, fill)
 
         def validate(model, shard: Shard) -> dict:

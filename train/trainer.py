@@ -341,6 +341,16 @@ def validation_fn(loss_on, holdout, batch_size: int, k: int, chain=None, prepare
     return validate
 
 
+def soft_label_validation(target, tc, k: int, family_name: str, holdout, fill=None):
+    """validation_fn of the soft-label objective on `holdout`, with the greedy chain's walk (val_tau_chain) where
+    train.val_tau_chain: stage 1's validation, and the τ half of RL's."""
+    from train.chain import chain_fn  # imports this module
+
+    return validation_fn(soft_label_loss(target, tc, k, family_name, target.device, fill), holdout, tc.batch_size, k,
+                         chain_fn(target, k) if tc.val_tau_chain else None,
+                         functools.partial(prepare_batch, device=target.device, fill=fill))
+
+
 def _regression_target(core, batch: dict, out, chunk: slice, tc) -> Tensor | None:
     """The target's LM-head input at each row's label position (train.hidden_weight > 0), for heads whose output
     rows are their own LM-head input (P-EAGLE, EAGLE-3); None when the term is off."""
@@ -423,13 +433,9 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
             if main:
                 print(f"[draftheads] soft_label: already done ({stage_dir})")
         else:
-            from train.chain import chain_fn  # imports this module
-
             head = _trainable(_initial_head(dc, target, dataset), tc)
-            loss_on = soft_label_loss(target, tc, dc.k, head.family_name, target.device, fill)
-            validate = None if holdout is None else validation_fn(
-                loss_on, holdout, tc.batch_size, dc.k, chain_fn(target, dc.k) if tc.val_tau_chain else None,
-                functools.partial(prepare_batch, device=target.device, fill=fill))
+            validate = None if holdout is None else soft_label_validation(target, tc, dc.k, head.family_name,
+                                                                          holdout, fill)
             stage = Stage("soft_label", tc.steps, tc.lr, tc.warmup_steps,
                           soft_label_step_fn(target, dataset, tc, dc.k, head.family_name, target.device, fill),
                           out / "checkpoints", validate, settings=settings, keep_best_by=tc.keep_best_by)
