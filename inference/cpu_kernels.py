@@ -81,6 +81,25 @@ def bf16_instructions() -> tuple[str, ...]:
     return tuple(f for f in ("avx512_bf16", "amx_bf16") if f in flags)
 
 
+@functools.cache
+def intel_cpu() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "GenuineIntel" in f.read(1 << 16)
+    except OSError:
+        return False
+
+
+def bf16_trains_faster() -> bool:
+    """Whether bfloat16 autocast trains a head faster than float32 on this CPU (train.mixed_precision=auto), by its
+    instructions, as measured (`eval.train_bench`, the default head, 2 cores): AMX 2.15x (Intel Xeon, 2,189 vs 1,017
+    tok/s); AVX-512 BF16 on AMD's Zen 4 1.34x; AVX-512 BF16 on an Intel Xeon without AMX 0.60x (457 vs 768: oneDNN's
+    bf16 GEMM ran at 140 GFLOP/s there against 250 for float32); no bf16 instructions: emulated, ~3x slower. Read
+    from the flags, not timed, so every process of a run and every resume of it decide alike."""
+    isa = bf16_instructions()
+    return "amx_bf16" in isa or ("avx512_bf16" in isa and not intel_cpu())
+
+
 def serves_bf16_linear(weight: Tensor) -> bool:
     """Whether `Bf16Weight` serves this weight: bfloat16 on a CPU without bfloat16 instructions, the kernels
     enabled, AVX2 + FMA, a 2-D weight whose input size is a multiple of 8."""

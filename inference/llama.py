@@ -24,15 +24,6 @@ from models.errors import DraftheadsError
 from models.target import Target, TargetOutput
 
 
-@functools.cache
-def _intel_cpu() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "GenuineIntel" in f.read(1 << 16)
-    except OSError:
-        return False
-
-
 def packs_for_cpu(weight: Tensor) -> bool:
     """Whether `pack_for_cpu` packs this weight: bfloat16 for the compiled kernel or wherever oneDNN runs it, float32
     on CPUs other than Intel's (see `pack_for_cpu`)."""
@@ -41,7 +32,7 @@ def packs_for_cpu(weight: Tensor) -> bool:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if weight.dtype == torch.float32:
-        return not _intel_cpu()
+        return not cpu_kernels.intel_cpu()
     return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 

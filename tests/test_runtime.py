@@ -327,7 +327,7 @@ def test_smollm2_runtime_matches_hf_greedy(smollm2):
 def test_packed_cpu_weights_match_f_linear(monkeypatch):
     import inference.llama
 
-    monkeypatch.setattr(inference.llama, "_intel_cpu", lambda: False)  # float32 packs on other CPUs than Intel's
+    monkeypatch.setattr(inference.cpu_kernels, "intel_cpu", lambda: False)  # float32 packs on other CPUs than Intel's
     g = torch.Generator().manual_seed(0)  # sums of 32 products ~ N(0, 32): oneDNN and MKL differ by float32 ulps
     w, b, x = torch.randn(48, 32, generator=g), torch.randn(48, generator=g), torch.randn(3, 5, 32, generator=g)
     packed = pack_for_cpu(w)
@@ -349,7 +349,7 @@ def test_fused_projections_equal_the_separate_linears(dtype, monkeypatch):
     import inference.llama
     from inference.llama import ROW_BLOCK, Projections
 
-    monkeypatch.setattr(inference.llama, "_intel_cpu", lambda: False)  # float32 packs on other CPUs than Intel's
+    monkeypatch.setattr(inference.cpu_kernels, "intel_cpu", lambda: False)  # float32 packs on other CPUs than Intel's
     g = torch.Generator().manual_seed(0)
     mods = [torch.nn.Linear(576, n, bias=True).to(dtype) for n in (576, 192, 192)]
     for m in mods:

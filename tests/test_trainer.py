@@ -423,12 +423,18 @@ def test_every_logged_step_says_where_its_time_went(tiny_target, tmp_path):
     assert all(p >= 0 for p in parts) and parts[1] > 0 and parts[2] > 0
 
 
-def test_auto_mixed_precision_follows_the_hardware():
+@pytest.mark.parametrize("isa,intel,want", [((), True, "no"), (("avx512_bf16",), True, "no"),
+                                            (("avx512_bf16", "amx_bf16"), True, "bf16"),
+                                            (("avx512_bf16",), False, "bf16"), ((), False, "no")])
+def test_auto_mixed_precision_follows_what_trains_faster(monkeypatch, isa, intel, want):
+    """auto: bf16 with AMX, or AVX-512 BF16 on AMD; float32 on Intel's AVX-512 BF16 alone (0.6x there) and without."""
+    from inference import cpu_kernels
     from train.distributed import resolve_mixed_precision
 
+    monkeypatch.setattr(cpu_kernels, "bf16_instructions", lambda: isa)
+    monkeypatch.setattr(cpu_kernels, "intel_cpu", lambda: intel)
+    assert resolve_mixed_precision("auto", "cpu") == want
     assert resolve_mixed_precision("no", "cpu") == "no" and resolve_mixed_precision("bf16", "cpu") == "bf16"
-    flags = open("/proc/cpuinfo").read()
-    assert resolve_mixed_precision("auto", "cpu") == ("bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "no")
 
 
 def test_validation_reads_every_held_out_sequence_once(tiny_target):

@@ -89,17 +89,17 @@ def die_with_launcher() -> None:
 
 
 def resolve_mixed_precision(value: str, device: str) -> str:
-    """train.mixed_precision=auto -> bf16 where the hardware computes bfloat16 natively (a CUDA GPU that supports it,
-    a CPU with AVX-512 BF16 or AMX), else no."""
+    """train.mixed_precision=auto -> bf16 where the hardware trains faster in bfloat16 (a CUDA GPU that supports it; a
+    CPU where `cpu_kernels.bf16_trains_faster`: AMX, or AVX-512 BF16 on AMD), else no."""
     if value != "auto":
         return value
     import torch
 
     if device == "cuda":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    from inference.cpu_kernels import bf16_instructions
+    from inference.cpu_kernels import bf16_trains_faster
 
-    return "bf16" if bf16_instructions() else "no"
+    return "bf16" if bf16_trains_faster() else "no"
 
 
 def make_accelerator(ac, tc, device: str):
