@@ -91,6 +91,8 @@ class TrainConfig:
     confidence_weight: float = 1.0  # heads with a confidence head (DSpark): BCE(c_k, 1 - TV_k detached)
     anchors_per_sequence: int = 16  # block heads (dspark / dflash): random anchors per sequence and step
     cod_decay: float = 0.7  # COD sampling: depth d keeps ~ n * decay**d positions
+    round_start_weight: float = 0.0  # stage 1: rows drafted from the round starts of the head's greedy chain (walked
+    # each step, train/chain.py) weigh 1 + this; 0 = every anchor alike
     temperature: TemperatureConfig = field(default_factory=TemperatureConfig)
     rl_kl_weight: float = 0.1  # KL anchor to the stage-1 head
     rl_pg_weight: float = 0.1  # REINFORCE term on the exact-rule accepted length (leave-one-out batch baseline)
@@ -227,7 +229,8 @@ RULES: dict[str, Callable] = {
     "train.weight_decay": at_least(0), "train.warmup_steps": at_least(0), "train.max_grad_norm": at_least(0),
     "train.mixed_precision": one_of("no", "bf16", "auto"), "train.loss": one_of("fkl", "rkl", "tv", "lk"),
     "train.ce_weight": at_least(0), "train.position_weighting": one_of("none", "exp"),
-    "train.position_gamma": above(0), "train.lk_tv_weight": between(0, 1), "train.hidden_weight": at_least(0),
+    "train.round_start_weight": at_least(0), "train.position_gamma": above(0), "train.lk_tv_weight": between(0, 1),
+    "train.hidden_weight": at_least(0),
     "train.distill_weight": at_least(0), "train.confidence_weight": at_least(0),
     "train.anchors_per_sequence": at_least(1), "train.cod_decay": between(0.01, 1),
     "train.temperature.start": above(0), "train.temperature.end": above(0),

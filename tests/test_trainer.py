@@ -107,6 +107,34 @@ def test_hidden_state_regression_pulls_the_head_onto_the_target_features(tiny_ta
         train_draft(cfg, tiny_target, feats, tmp_path / "m")
 
 
+def test_round_start_weight_weighs_the_rows_greedy_serving_drafts_from(peaked_target, tmp_path):
+    """train.round_start_weight=w: rows anchored at the head's greedy round starts weigh 1 + w, so the step's loss is a
+    weighted mean between the all-anchor loss and the round-start-only loss; the run trains and lowers its loss."""
+    from models.peagle import peagle_for_target
+    from train.chain import round_start_mask, round_start_weights
+    from train.trainer import prepare_batch, soft_label_loss, train_draft
+
+    torch.manual_seed(0)
+    head = peagle_for_target(peaked_target, k=3, num_layers=1, parallel=True)
+    feats = tiny_features(peaked_target, n=4)
+    batch = prepare_batch(feats, "cpu")
+    starts = round_start_mask(head, peaked_target, batch, 3)
+    assert torch.equal(round_start_weights(peaked_target, 3, 2.0)(head, batch), 1.0 + 2.0 * starts.float())
+    tc = make_cfg(tmp_path).train
+
+    def loss(weights):
+        fn = soft_label_loss(peaked_target, tc, 3, "peagle", "cpu", anchor_weights=weights)
+        return fn(head, batch, 0, 1.0)[0].item()
+
+    plain, ones = loss(None), loss(lambda m, b: torch.ones(b["input_ids"].shape))
+    at_starts, mixed = loss(lambda m, b: starts.float()), loss(round_start_weights(peaked_target, 3, 2.0))
+    assert ones == plain and at_starts != plain
+    assert min(plain, at_starts) < mixed < max(plain, at_starts)
+    train_draft(make_cfg(tmp_path, round_start_weight=2.0), peaked_target, tiny_features(peaked_target), tmp_path)
+    curve = losses(tmp_path / "metrics.jsonl")
+    assert sum(curve[s] for s in range(16, 21)) < 0.92 * sum(curve[s] for s in range(1, 6)), curve
+
+
 def test_resume_after_kill_reproduces_the_curve(tiny_target, tmp_path):
     from train.trainer import train_draft
 

@@ -68,6 +68,27 @@ def simulate_chain(hit: Tensor, loss_mask: Tensor, max_new: int | None = None) -
     return rounds
 
 
+def round_start_mask(model, target, batch: dict, k: int) -> Tensor:
+    """bool [B, T]: the anchors where the greedy chain the head would run now starts its rounds over each sequence of
+    the batch. A round starts right after a rejection, so these are the positions greedy serving drafts from, harder
+    than the average one (train.rl_anchor_policy=round_starts, train.round_start_weight)."""
+    hit = agreement(model, target, batch, k)
+    mask = torch.zeros(hit.shape[:2], dtype=torch.bool)
+    for b in range(hit.shape[0]):
+        mask[b, [t for t, _ in simulate_chain(hit[b], batch["loss_mask"][b].cpu().bool())]] = True
+    return mask
+
+
+def round_start_weights(target, k: int, extra: float):
+    """weights(model, batch) -> [B, T] on the batch's device: 1 + extra at the round starts of the head's greedy chain
+    (recomputed for every batch, so it follows the head as it trains), 1 elsewhere (train.round_start_weight)."""
+
+    def weights(model, batch: dict) -> Tensor:
+        return (1.0 + extra * round_start_mask(model, target, batch, k).float()).to(batch["input_ids"].device)
+
+    return weights
+
+
 def chain_fn(target, k: int):
     """chain(model, batch) -> (tokens emitted, rounds) of the simulated greedy chain at K = k over a batch of held-out
     sequences (train.trainer.prepare_batch)."""

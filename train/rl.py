@@ -40,7 +40,7 @@ from inference.verify import acceptance_rates, accepts
 from models.families import family
 from models.errors import DraftheadsError
 from models.peagle import DraftCache
-from train.chain import agreement, simulate_chain
+from train.chain import round_start_mask
 from train.cod import CodPlan
 from train.distributed import full_parameters
 from train.loop import Shard, Stage, Tally, run_stage
@@ -69,15 +69,13 @@ def pick_anchors(item: dict, n: int, max_context: int, g: torch.Generator, among
 
 
 def round_starts(model, target, items: list[dict], k: int, max_context: int, device) -> list[Tensor]:
-    """bool [L] per sequence: the anchors where the greedy chain the head would run now starts its rounds
-    (train.chain, teacher-forced over the sequence's first max_context tokens). A round starts right after a
-    rejection, so these are the positions greedy serving drafts from, harder than the average one."""
+    """bool [L] per sequence: train.chain.round_start_mask over the sequence's first max_context tokens."""
     cut = [{key: v[:max_context] if torch.is_tensor(v) and v.dim() and v.shape[0] == len(it["input_ids"]) else v
             for key, v in it.items()} for it in items]
-    hit = agreement(model, target, collate(cut, device), k)
+    mask = round_start_mask(model, target, collate(cut, device), k)
     starts = [torch.zeros(len(it["input_ids"]), dtype=torch.bool) for it in items]
-    for mask, c, h in zip(starts, cut, hit):
-        mask[[t for t, _ in simulate_chain(h, c["loss_mask"].bool())]] = True
+    for b, (s, c) in enumerate(zip(starts, cut)):
+        s[:len(c["input_ids"])] = mask[b, :len(c["input_ids"])]
     return starts
 
 

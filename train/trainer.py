@@ -238,10 +238,11 @@ def prepare_batch(items: list[dict], device, fill=None) -> dict:
     return collate(fill(items) if fill is not None else items, device)
 
 
-def soft_label_loss(target, tc, k: int, family_name: str, device, fill=None):
+def soft_label_loss(target, tc, k: int, family_name: str, device, fill=None, anchor_weights=None):
     """(model, items, micro, temperature) -> (loss, stats): the soft-label objective on a batch of feature items (or
     on their prepare_batch). Plans (COD depths, or block anchors) are seeded by `micro`; everything that reads the
-    head's parameters runs inside its forward (models.layers.TrainableHead), so a sharded wrapper has them gathered."""
+    head's parameters runs inside its forward (models.layers.TrainableHead), so a sharded wrapper has them gathered.
+    anchor_weights(model, batch) -> [B, T] (train.chain.round_start_weights) weights each row by its anchor."""
     gamma = tc.position_gamma or k
 
     def loss_on(model, items: list[dict] | dict, micro: int, temperature: float):
@@ -251,14 +252,21 @@ def soft_label_loss(target, tc, k: int, family_name: str, device, fill=None):
         make_plan = anchor_plan if blocks else cod_plan
         knob = tc.anchors_per_sequence if blocks else tc.cod_decay
         plan = plan_to(make_plan(batch["loss_mask"].cpu(), batch["lengths"].cpu(), k, knob, g), device)
-        return model(batch, plan, lambda core, out: _objective(core, target, batch, out, tc, temperature, gamma, k))
+        weights = None if anchor_weights is None else anchor_weights(model, batch)
+        return model(batch, plan,
+                     lambda core, out: _objective(core, target, batch, out, tc, temperature, gamma, k, weights))
 
     return loss_on
 
 
 def soft_label_step_fn(target, dataset, tc, k: int, family_name: str, device, fill=None):
-    """The loop's step function: micro-batch `micro` of the training split (batch_indices)."""
-    loss_on = soft_label_loss(target, tc, k, family_name, device, fill)
+    """The loop's step function: micro-batch `micro` of the training split (batch_indices); with
+    train.round_start_weight the rows drafted from the head's greedy round starts weigh 1 + that (validation does not
+    weight)."""
+    from train.chain import round_start_weights  # imports this module
+
+    weights = round_start_weights(target, k, tc.round_start_weight) if tc.round_start_weight > 0 else None
+    loss_on = soft_label_loss(target, tc, k, family_name, device, fill, weights)
     lengths = sequence_lengths(dataset) if tc.length_grouped else None
 
     def step_fn(model, micro: int, temperature: float):
@@ -271,10 +279,13 @@ def soft_label_step_fn(target, dataset, tc, k: int, family_name: str, device, fi
     return step_fn
 
 
-def _objective(core, target, batch: dict, out, tc, temperature: float, gamma: float, k: int):
+def _objective(core, target, batch: dict, out, tc, temperature: float, gamma: float, k: int,
+               anchor_weights: Tensor | None = None):
     """Weighted loss over the head's rows, in chunks of LOSS_CHUNK_ROWS, and per-depth agreement (hits, rows)."""
     n = out.hidden.shape[0]
     w = position_weights(out.depth, tc.position_weighting, gamma)
+    if anchor_weights is not None:
+        w = w * anchor_weights[out.batch_index, out.anchor]
     total = out.hidden.sum() * 0.0  # keeps the graph when a micro-batch has no labelled rows
     agree = torch.zeros(n, device=out.hidden.device)
     for s in range(0, n, LOSS_CHUNK_ROWS):
