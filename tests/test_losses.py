@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models.errors import DraftheadsError
-from train.losses import distill_loss, forward_kl, position_weights, reverse_kl, token_ce, total_variation
+from train.losses import Softmax, distill_loss, forward_kl, position_weights, reverse_kl, token_ce, total_variation
 
 
 def test_equal_distributions_give_zero():
@@ -65,8 +65,38 @@ def test_kept_and_recomputed_logits_give_the_same_loss_and_gradient(kind, monkey
         monkeypatch.setattr(trainer, "KEEP_LOGITS_BYTES", keep)
         hidden = hidden0.clone().requires_grad_()
         lm.zero_grad()
-        part, hit = trainer._chunk_loss(core, hidden, None, tgt, labels, labels, torch.ones(6), tc, 0.7)
+        part, hit = trainer._chunk_loss(core, hidden, None, Softmax(tgt, 0.7), labels, labels, torch.ones(6), tc, 0.7)
         part.backward()
         results.append((part.detach(), hit, hidden.grad, lm.weight.grad.clone()))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["fkl", "lk"])
+def test_rows_that_share_a_label_position_share_its_softmax_exactly(kind):
+    """The trainer computes the target's softmax once per label position and gathers it for every row labelled
+    there (Softmax.take): loss, agreement and gradients bitwise those of a softmax over the gathered logits."""
+    from types import SimpleNamespace
+
+    import train.trainer as trainer
+
+    g = torch.Generator().manual_seed(1)
+    lm = torch.nn.Linear(16, 40, bias=False)
+    core = SimpleNamespace(logits_for=lambda h, depth: lm(h))
+    tc = SimpleNamespace(distill_weight=1.0, loss=kind, lk_tv_weight=0.5, hidden_weight=0.0, ce_weight=0.1,
+                         confidence_weight=0.0)
+    positions = torch.randn(4, 40, generator=g)  # 4 label positions, 9 rows
+    where = torch.tensor([0, 1, 1, 2, 3, 3, 3, 0, 2])
+    labels, hidden0 = torch.randint(0, 40, (9,), generator=g), torch.randn(9, 16, generator=g)
+    results = []
+    for p in (Softmax(positions, 0.7).take(where), Softmax(positions[where], 0.7)):
+        hidden = hidden0.clone().requires_grad_()
+        lm.zero_grad()
+        part, hit = trainer._chunk_loss(core, hidden, None, p, labels, labels, torch.rand(9, generator=g.manual_seed(2)),
+                                        tc, 0.7)
+        part.backward()
+        results.append((part.detach(), hit, hidden.grad, lm.weight.grad.clone()))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    taken = Softmax(positions, 0.7).take(where)
+    assert torch.equal(taken.logits, positions[where]) and taken.temperature == 0.7

@@ -35,6 +35,23 @@ class Softmax:
     def p(self) -> Tensor:
         return self.log_p.exp()
 
+    def take(self, index: Tensor) -> "Softmax":
+        """Rows `index` of this softmax (rows that share a distribution: computed once, then gathered)."""
+        return _SoftmaxRows(self, index)
+
+
+class _SoftmaxRows(Softmax):
+    """Softmax.take: the whole's log_p and p at the rows `index`; its logits gathered only if a term asks for them
+    (a term at another temperature)."""
+
+    def __init__(self, whole: Softmax, index: Tensor):
+        self.temperature, self._whole, self._index = whole.temperature, whole, index
+        self.log_p, self.p = whole.log_p[index], whole.p[index]
+
+    @cached_property
+    def logits(self) -> Tensor:
+        return self._whole.logits[self._index]
+
 
 def softmax_of(x: Tensor | Softmax, temperature: float | None = None) -> Softmax:
     """x as a Softmax at `temperature` (None: a Softmax as built, logits at T = 1); rebuilt only if T differs."""

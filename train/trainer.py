@@ -174,23 +174,32 @@ def collate(items: list[dict], device) -> dict:
 # ---------------------------------------------------------------------------------------------
 # stage 1: soft labels
 # ---------------------------------------------------------------------------------------------
-def draft_labels(target, head, batch: dict, out, chunk: slice):
-    """Target logits [n, V_draft] (no grad), token labels [n] and the target's greedy token [n] for rows `chunk`
-    (draft-vocab ids, -1 outside the draft vocabulary). The greedy token is the whole-vocabulary argmax the features
-    carry (target_argmax): a head with a reduced vocabulary cannot agree where the target's choice lies outside it.
-    Features without it fall back to the argmax over the draft vocabulary (an overestimate for such heads)."""
+def draft_labels(target, head, batch: dict, out, chunk: slice | Tensor):
+    """For the rows `chunk` (a slice or indices): the target's logits once per distinct label position [u, V_draft]
+    (no grad) with `where` [n] (row i's logits are row where[i]), token labels [n] and the target's greedy token [n]
+    (draft-vocab ids, -1 outside the draft vocabulary). COD and block plans label ~3 rows at each position (depths of
+    neighbouring anchors), so the target's LM head and softmax run on a third of the rows. The greedy token is the
+    whole-vocabulary argmax the features carry (target_argmax): a head with a reduced vocabulary cannot agree where
+    the target's choice lies outside it. Features without it fall back to the argmax over the draft vocabulary (an
+    overestimate for such heads)."""
     b, rows = out.batch_index[chunk], (out.anchor + out.depth)[chunk]  # target row t+d predicts token t+d+1
-    tgt = _target_logits(target, head, batch, b, rows)
-    return tgt, _to_draft(head, batch["input_ids"][b, rows + 1]), target_greedy(target, head, batch, out, chunk, tgt)
+    positions, where = torch.unique(b * batch["input_ids"].shape[1] + rows, return_inverse=True)
+    tgt = _target_logits(target, head, batch, positions // batch["input_ids"].shape[1],
+                         positions % batch["input_ids"].shape[1])
+    labels = _to_draft(head, batch["input_ids"][b, rows + 1])
+    return tgt, where, labels, target_greedy(target, head, batch, out, chunk, (tgt, where))
 
 
-def target_greedy(target, head, batch: dict, out, chunk: slice, logits: Tensor | None = None) -> Tensor:
+def target_greedy(target, head, batch: dict, out, chunk: slice | Tensor, logits: tuple | None = None) -> Tensor:
     """draft_labels' greedy token alone: the features' target_argmax when they carry it (no LM-head matmul), else
-    the argmax of the target's draft-vocabulary logits (`logits` when given)."""
+    the argmax of the target's draft-vocabulary logits (`logits`: draft_labels' (tgt, where), when given)."""
     b, rows = out.batch_index[chunk], (out.anchor + out.depth)[chunk]
     if "target_argmax" in batch:
         return _to_draft(head, batch["target_argmax"][b, rows])
-    return greedy_tokens(_target_logits(target, head, batch, b, rows) if logits is None else logits)
+    if logits is None:
+        return greedy_tokens(_target_logits(target, head, batch, b, rows))
+    tgt, where = logits
+    return greedy_tokens(tgt)[where]
 
 
 def _target_logits(target, head, batch: dict, b: Tensor, rows: Tensor) -> Tensor:
@@ -288,12 +297,14 @@ def _objective(core, target, batch: dict, out, tc, temperature: float, gamma: fl
         w = w * anchor_weights[out.batch_index, out.anchor]
     total = out.hidden.sum() * 0.0  # keeps the graph when a micro-batch has no labelled rows
     agree = torch.zeros(n, device=out.hidden.device)
+    # rows in order of their label position: the rows that share one fall in the same chunk (see draft_labels)
+    order = torch.argsort(out.batch_index * batch["input_ids"].shape[1] + out.anchor + out.depth, stable=True)
     for s in range(0, n, LOSS_CHUNK_ROWS):
-        chunk = slice(s, s + LOSS_CHUNK_ROWS)
-        tgt, labels, best = draft_labels(target, core, batch, out, chunk)
+        chunk = order[s: s + LOSS_CHUNK_ROWS]
+        tgt, where, labels, best = draft_labels(target, core, batch, out, chunk)
         ref = _regression_target(core, batch, out, chunk, tc)
-        part, hit = _chunk_loss(core, out.hidden[chunk], out.depth[chunk], tgt, labels, best, w[chunk], tc,
-                                temperature, ref)
+        part, hit = _chunk_loss(core, out.hidden[chunk], out.depth[chunk], Softmax(tgt, temperature).take(where),
+                                labels, best, w[chunk], tc, temperature, ref)
         total = total + part
         agree[chunk] = hit
     stats = {"tokens": int(batch["lengths"].sum())}
@@ -374,12 +385,11 @@ def _regression_target(core, batch: dict, out, chunk: slice, tc) -> Tensor | Non
     return final
 
 
-def _chunk_loss(core, hidden, depth, tgt, labels, best, w, tc, temperature, ref=None):
-    """Weighted loss sum of one chunk. The target's softmax is computed once, here; the draft's logits are kept for
-    backward when a chunk's are at most KEEP_LOGITS_BYTES (a draft vocabulary), else recomputed in backward
-    (checkpoint) so only one chunk is alive.
+def _chunk_loss(core, hidden, depth, p: Softmax, labels, best, w, tc, temperature, ref=None):
+    """Weighted loss sum of one chunk; p: the target's softmax per row, at `temperature`, computed outside the
+    checkpointed part. The draft's logits are kept for backward when a chunk's are at most KEEP_LOGITS_BYTES (a draft
+    vocabulary), else recomputed in backward (checkpoint) so only one chunk is alive.
     ref: the target's LM-head input per row for hidden-state regression (EAGLE's SmoothL1 feature loss), or None."""
-    p = Softmax(tgt, temperature)
 
     def f(h):
         logits = core.logits_for(h, depth)
@@ -395,7 +405,7 @@ def _chunk_loss(core, hidden, depth, tgt, labels, best, w, tc, temperature, ref=
             per = per + tc.confidence_weight * F.binary_cross_entropy_with_logits(c_logit, survive, reduction="none")
         return (per * w).sum(), (greedy_tokens(logits.detach()) == best).float()
 
-    if hidden.requires_grad and tgt.numel() * 4 > KEEP_LOGITS_BYTES:
+    if hidden.requires_grad and p.log_p.numel() * 4 > KEEP_LOGITS_BYTES:
         part, hit = torch.utils.checkpoint.checkpoint(f, hidden, use_reentrant=False)
     else:
         part, hit = f(hidden)
