@@ -66,7 +66,7 @@ def test_memory_formula_agrees_with_a_measured_training_step(family, layers):
     est = plan.memory(plan.sizes_of(target, head), cfg, "single", 1, online=False, device="cpu")
     ratio = meter.peak / (est["model_states"] + est["activations"])
     print(family, layers, f"measured {meter.peak / 2**20:.1f} MiB, ratio {ratio:.3f}")
-    assert 0.8 <= ratio <= 1.25, ratio  # measured: peagle 1.11 / 1.04, dspark 1.22, medusa 0.99
+    assert 0.8 <= ratio <= 1.25, ratio  # measured: peagle 1.07 / 1.01, dspark 1.23, medusa 0.91
 
 
 def test_the_70b_plan_prints_without_weights():

@@ -41,16 +41,17 @@ class Softmax:
 
 
 class _SoftmaxRows(Softmax):
-    """Softmax.take: the whole's log_p and p at the rows `index`; its logits gathered only if a term asks for them
-    (a term at another temperature)."""
+    """Softmax.take: the whole's log_p at the rows `index`, its exp taken after the gather (so the whole's log_p is
+    freed at once and a chunk holds no more than the per-row softmax did); the logits gathered only if a term asks
+    for them (a term at another temperature)."""
 
     def __init__(self, whole: Softmax, index: Tensor):
-        self.temperature, self._whole, self._index = whole.temperature, whole, index
-        self.log_p, self.p = whole.log_p[index], whole.p[index]
+        self.temperature, self._whole_logits, self._index = whole.temperature, whole.logits, index
+        self.log_p = whole.log_p[index]
 
     @cached_property
     def logits(self) -> Tensor:
-        return self._whole.logits[self._index]
+        return self._whole_logits[self._index]
 
 
 def softmax_of(x: Tensor | Softmax, temperature: float | None = None) -> Softmax:
