@@ -178,16 +178,21 @@ def draft_labels(target, head, batch: dict, out, chunk: slice | Tensor):
     """For the rows `chunk` (a slice or indices): the target's logits once per distinct label position [u, V_draft]
     (no grad) with `where` [n] (row i's logits are row where[i]), token labels [n] and the target's greedy token [n]
     (draft-vocab ids, -1 outside the draft vocabulary). COD and block plans label ~3 rows at each position (depths of
-    neighbouring anchors), so the target's LM head and softmax run on a third of the rows. The greedy token is the
+    neighbouring anchors), so the target's LM head and log-softmax run on a third of the rows. The greedy token is the
     whole-vocabulary argmax the features carry (target_argmax): a head with a reduced vocabulary cannot agree where
     the target's choice lies outside it. Features without it fall back to the argmax over the draft vocabulary (an
     overestimate for such heads)."""
     b, rows = out.batch_index[chunk], (out.anchor + out.depth)[chunk]  # target row t+d predicts token t+d+1
-    positions, where = torch.unique(b * batch["input_ids"].shape[1] + rows, return_inverse=True)
-    tgt = _target_logits(target, head, batch, positions // batch["input_ids"].shape[1],
-                         positions % batch["input_ids"].shape[1])
+    positions, where = torch.unique(label_position(batch, b, rows), return_inverse=True)
+    width = batch["input_ids"].shape[1]
+    tgt = _target_logits(target, head, batch, positions // width, positions % width)
     labels = _to_draft(head, batch["input_ids"][b, rows + 1])
     return tgt, where, labels, target_greedy(target, head, batch, out, chunk, (tgt, where))
+
+
+def label_position(batch: dict, b: Tensor, rows: Tensor) -> Tensor:
+    """One integer per (sequence b, target row): rows that share it share the target's distribution."""
+    return b * batch["input_ids"].shape[1] + rows
 
 
 def target_greedy(target, head, batch: dict, out, chunk: slice | Tensor, logits: tuple | None = None) -> Tensor:
@@ -298,7 +303,7 @@ def _objective(core, target, batch: dict, out, tc, temperature: float, gamma: fl
     total = out.hidden.sum() * 0.0  # keeps the graph when a micro-batch has no labelled rows
     agree = torch.zeros(n, device=out.hidden.device)
     # rows in order of their label position: the rows that share one fall in the same chunk (see draft_labels)
-    order = torch.argsort(out.batch_index * batch["input_ids"].shape[1] + out.anchor + out.depth, stable=True)
+    order = torch.argsort(label_position(batch, out.batch_index, out.anchor + out.depth), stable=True)
     for s in range(0, n, LOSS_CHUNK_ROWS):
         chunk = order[s: s + LOSS_CHUNK_ROWS]
         tgt, where, labels, best = draft_labels(target, core, batch, out, chunk)
@@ -373,7 +378,7 @@ def soft_label_validation(target, tc, k: int, family_name: str, holdout, fill=No
                          functools.partial(prepare_batch, device=target.device, fill=fill))
 
 
-def _regression_target(core, batch: dict, out, chunk: slice, tc) -> Tensor | None:
+def _regression_target(core, batch: dict, out, chunk: slice | Tensor, tc) -> Tensor | None:
     """The target's LM-head input at each row's label position (train.hidden_weight > 0), for heads whose output
     rows are their own LM-head input (P-EAGLE, EAGLE-3); None when the term is off."""
     if tc.hidden_weight <= 0:
