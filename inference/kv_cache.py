@@ -55,20 +55,34 @@ class StaticKVCache:
     def span(self, slots: Tensor) -> int:
         return self.max_len if self.static else int(slots.max()) + 1
 
-    def write(self, layer: int, k_new: Tensor, v_new: Tensor, rows: Tensor, slots: Tensor, span: int):
-        """Store k/v_new [R, kvh, T, hd] at slots [R, T]; return the readable keys/values [R, kvh, span, hd]."""
+    def reader(self, rows: Tensor) -> slice | Tensor:
+        """How a forward over requests `rows` reads the cache, decided once per forward: consecutive rows as a slice (a
+        view, nothing copied), any other set as the rows to gather in every layer. A static cache reads all its rows as
+        a slice, and a subset by gathering (its rows' values may change between CUDA-graph replays)."""
+        R = rows.numel()
+        if self.static:
+            return slice(0, R) if R == self.batch_size else rows
+        first = int(rows[0])
+        if R == 1 or bool((rows == torch.arange(first, first + R, device=rows.device)).all()):
+            return slice(first, first + R)
+        return rows
+
+    def write(self, layer: int, k_new: Tensor, v_new: Tensor, rows: Tensor, slots: Tensor, span: int,
+              read: slice | Tensor):
+        """Store k/v_new [R, kvh, T, hd] at slots [R, T]; return the readable keys/values [R, kvh, span, hd]
+        (`read` = reader(rows))."""
         kc, vc = self.k[layer], self.v[layer]
         R, T = slots.shape
         if not self.static and R == 1:  # one request: contiguous slice copy and a view to read
-            r, start = int(rows[0]), int(slots[0, 0])
+            r, start = read.start, int(slots[0, 0])
             kc[r, :, start:start + T] = k_new[0]
             vc[r, :, start:start + T] = v_new[0]
-            return kc[r:r + 1, :, :span], vc[r:r + 1, :, :span]
-        row_idx = rows[:, None].expand(R, T)
-        kc[row_idx, :, slots] = k_new.transpose(1, 2)  # advanced dims first: [R, T, kvh, hd]
-        vc[row_idx, :, slots] = v_new.transpose(1, 2)
-        if R == self.batch_size and (self.static or bool((rows == self.all_rows()).all())):
-            return kc[:, :, :span], vc[:, :, :span]
+        else:
+            row_idx = rows[:, None].expand(R, T)
+            kc[row_idx, :, slots] = k_new.transpose(1, 2)  # advanced dims first: [R, T, kvh, hd]
+            vc[row_idx, :, slots] = v_new.transpose(1, 2)
+        if isinstance(read, slice):
+            return kc[read, :, :span], vc[read, :, :span]
         return kc[:, :, :span].index_select(0, rows), vc[:, :, :span].index_select(0, rows)
 
     def attention_mask(self, rows: Tensor, slots: Tensor, tree_mask: Tensor, span: int,
@@ -94,6 +108,15 @@ class StaticKVCache:
     def rollback(self, rows: Tensor, lengths: Tensor) -> None:
         """Truncate requests to lengths[r] committed positions: no copy, the slots are simply reused."""
         self.lengths[rows] = torch.minimum(self.lengths[rows], lengths.to(self.lengths))
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Request row src's committed keys/values and length into row dst (dst's are dropped): the runtime packs the
+        requests still decoding into the lowest rows so that a forward over all of them reads one slice."""
+        n = int(self.lengths[src])
+        for kc, vc in zip(self.k, self.v):
+            kc[dst, :, :n] = kc[src, :, :n]
+            vc[dst, :, :n] = vc[src, :, :n]
+        self.lengths[dst] = n
 
     def compact(self, row: int, src_slots: Tensor, dst_start: int) -> None:
         """Tree verification: move the accepted path's K/V from src_slots [n] (increasing) to the contiguous

@@ -161,13 +161,16 @@ class MatmulAttention:
         kvh, rows = keys.shape[1], self.rows
         g = nh // kvh
         if not self.exact:  # the g query heads of a kv head as rows of one GEMM, in the cache's dtype
-            # keys/values are a span of the cache's max_len slots; batched GEMMs over that strided view are slower than
-            # a contiguous copy plus the GEMMs: a 64-row SmolLM2 decode step 155 -> 141 / 200 -> 171 / 259 -> 200 ms
-            # over 120 / 250 / 400 keys (bf16, 2 threads)
+            # keys/values are a span of the cache's max_len slots. In bfloat16, batched GEMMs over that strided view
+            # are slower than a contiguous copy plus the GEMMs: a 64-row SmolLM2 decode step 155 -> 141 / 200 -> 171 /
+            # 259 -> 200 ms over 120 / 250 / 400 keys (2 threads, AMX Xeon). In float32 the copy is the slower way:
+            # 178 -> 166 / 326 -> 248 ms over 100 / 300 keys without it (2 threads, AVX-512 Xeon, interleaved medians)
             # where the CPU has no native bfloat16 its bf16 GEMMs are emulated (12.5 ms a GEMM here, 45% of a 64-row
             # regeneration step, AMD EPYC with AVX2): the copies are made float32 instead
             work = torch.float32 if cpu_kernels.emulates_bf16(q) else q.dtype
-            keys, values = keys.to(work).contiguous(), values.to(work).contiguous()
+            keys, values = keys.to(work), values.to(work)
+            if work != torch.float32:
+                keys, values = keys.contiguous(), values.contiguous()
             scores = (q.reshape(B, kvh, g * T, hd).to(work) @ keys.transpose(-1, -2)).float() * hd**-0.5
             weights = (scores + self.bias).softmax(-1).to(work)
             return (weights @ values).view(B, nh, T, hd).to(q.dtype)
@@ -246,7 +249,8 @@ class LlamaForward:
                              dtype=self.target.dtype, device=self.target.device, static=static)
 
     def _attention(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache, rows: Tensor,
-                   slots: Tensor, span: int, mask: Tensor, attend: MatmulAttention | CompiledAttention | None) -> Tensor:
+                   read: slice | Tensor, slots: Tensor, span: int, mask: Tensor,
+                   attend: MatmulAttention | CompiledAttention | None) -> Tensor:
         _, qkv, o_proj = self.layers[layer][:3]
         B, T, _ = x.shape
         q, k, v = qkv(x, self._linear)
@@ -258,7 +262,7 @@ class LlamaForward:
         else:
             q = q * cos + rotate_half(q) * sin  # cos, sin [B, 1, T, hd]
             k = k * cos + rotate_half(k) * sin
-        keys, values = cache.write(layer, k, v, rows, slots, span)  # [B, kvh, S, hd]
+        keys, values = cache.write(layer, k, v, rows, slots, span, read)  # [B, kvh, S, hd]
         if attend is not None:  # decode / verify (see QUERY_BLOCK)
             out = attend(q, keys, values)
         else:  # prefill: SDPA's fused kernels
@@ -289,6 +293,7 @@ class LlamaForward:
         B, T = input_ids.shape
         rows = cache.all_rows() if rows is None else rows
         slots = cache.slots(rows, T)  # [B, T], also checks max_len
+        read = cache.reader(rows)
         span = cache.span(slots)
         self._kernels = self.cpu_kernels and not cache.static and T <= QUERY_BLOCK  # decode / verify forwards
         compiled = self._kernels and self.row_invariant
@@ -317,7 +322,7 @@ class LlamaForward:
             if i in self.layer_ids:
                 captured[i] = h
             x = norm(h, weights[0], self.eps)
-            h = h + self._attention(i, x, cos, sin, cache, rows, slots, span, mask, attend)
+            h = h + self._attention(i, x, cos, sin, cache, rows, read, slots, span, mask, attend)
             h = h + self._mlp(i, norm(h, weights[3], self.eps))
         captured[self.num_layers] = h  # last layer output, pre-norm (layer id L)
         final = norm(h, self.norm_weight, self.eps)  # [B, T, H]

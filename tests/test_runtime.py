@@ -167,8 +167,8 @@ def test_speculative_greedy_is_lossless_batched(tiny_target, tree):
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_requests_stopping_early_leave_the_others_lossless(tiny_target, tree):
-    """Requests that stop at an end token drop out of the batch mid-run (the rest read their rows by index); every
-    output equals the reference loop cut after its first end token."""
+    """Requests that stop at an end token drop out of the batch mid-run (the rest move into the lowest cache rows);
+    every output equals the reference loop cut after its first end token."""
     prompts = make_prompts((5, 17, 9, 12), seed=3)
     ref = reference(tiny_target, prompts, 30)
     eos = {ref[0][0], ref[1][0]}  # requests 0 and 1 stop at once, 2 and 3 run on
@@ -178,6 +178,39 @@ def test_requests_stopping_early_leave_the_others_lossless(tiny_target, tree):
     rt.eos = eos
     for source in (None, OracleSource(prompts, ref, tree=tree, needs_features=True)):
         assert rt.generate(prompts, 30, source=source, k=4).tokens == cut
+
+
+def test_requests_left_decoding_are_packed_into_one_cache_slice(tiny_target, monkeypatch):
+    """Once requests 0 and 1 stop, requests 2 and 3 move into cache rows 0 and 1: every later forward reads the cache
+    as one slice (no per-layer gather), and the text is the reference loop's, in float32 and in regeneration's
+    decoding."""
+    prompts = make_prompts((5, 17, 9, 12), seed=3)
+    ref = reference(tiny_target, prompts, 30)
+    eos = {ref[0][0], ref[1][0]}
+    cut = [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in ref]
+    reads = []
+    reader = StaticKVCache.reader
+    monkeypatch.setattr(StaticKVCache, "reader", lambda self, rows: reads.append(reader(self, rows)) or reads[-1])
+    for row_invariant in (True, False):
+        rt = Runtime(tiny_target, max_len=128, batch_size=4, row_invariant=row_invariant)
+        rt.eos = eos
+        reads.clear()
+        assert rt.generate(prompts, 30).tokens == cut
+        decode = reads[1:]  # after the prefill
+        assert decode[0] == slice(0, 4) and all(r == slice(0, 2) for r in decode[1:]) and len(decode) == 30
+
+
+def test_moved_cache_row_keeps_its_keys_values_and_length():
+    cache = StaticKVCache(num_layers=2, batch_size=3, kv_heads=1, head_dim=2, max_len=4)
+    for t in cache.k + cache.v:
+        t.copy_(torch.randn(t.shape))
+    cache.commit(cache.all_rows(), torch.tensor([1, 2, 3]))
+    before = [t[2, :, :3].clone() for t in cache.k + cache.v]
+    cache.move_row(2, 0)
+    assert cache.lengths.tolist() == [3, 2, 3]
+    assert all(torch.equal(t[0, :, :3], b) for t, b in zip(cache.k + cache.v, before))
+    assert cache.reader(torch.tensor([0, 1])) == slice(0, 2) and cache.reader(torch.tensor([1])) == slice(1, 2)
+    assert torch.equal(cache.reader(torch.tensor([0, 2])), torch.tensor([0, 2]))
 
 
 def test_one_source_per_request(tiny_target):
