@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's speed rows ("Where a user waits") on one machine, one job at a time, in one run:
-#   bash eval/speed_table.sh [OUT]        # ~45 min on 2 idle cores; OUT defaults to outputs/speed_table
+#   bash eval/speed_table.sh [OUT]        # ~40 min on 2 idle cores; OUT defaults to outputs/speed_table
 # Each row is one eval/ benchmark (or the default training run); their last JSON lines go to $OUT/table.jsonl, one per
 # row, with the command that made it. Re-running skips the rows already in it. Run nothing else meanwhile: a second
 # heavy process on 2 cores changes every number (the "loaded" row adds its own competing process on purpose).
