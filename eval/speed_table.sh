@@ -47,19 +47,20 @@ rm -f "$OUT/big.dfl"
 # training: the default experiment (its own regeneration and features first, cached under $OUT/data_cache); the row
 # is the median of metrics.jsonl's logged windows (validation and checkpoints excluded) and the held-out estimates
 if ! grep -q '"row": "train"' "$TABLE"; then
-  echo "== train: python -m train.distill +experiment=peagle_smollm2"
-  /usr/bin/time -v $PY -m train.distill +experiment=peagle_smollm2 eval.limit=0 runtime.threads="$THREADS" \
-    data.cache_dir="$OUT/data_cache" output_dir="$OUT/train" > "$OUT/train.log" 2>&1
-  $PY - "$OUT" >> "$TABLE" <<'EOF'
+  train=($PY -m train.distill +experiment=peagle_smollm2 eval.limit=0 runtime.threads="$THREADS"
+         data.cache_dir="$OUT/data_cache" output_dir="$OUT/train")
+  echo "== train: ${train[*]}"
+  /usr/bin/time -v "${train[@]}" > "$OUT/train.log" 2>&1
+  $PY - "$OUT" "${train[*]}" >> "$TABLE" <<'EOF'
 import json, re, statistics, sys
-out = sys.argv[1]
+out, cmd = sys.argv[1:]
 rows = [json.loads(l) for l in open(f"{out}/train/metrics.jsonl")]
 tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
 val = [r for r in rows if "val_tau_est" in r][-1]
 log = open(f"{out}/train.log", errors="replace").read()
 wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", log)
 rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", log)
-print(json.dumps({"row": "train", "command": "python -m train.distill +experiment=peagle_smollm2 eval.limit=0",
+print(json.dumps({"row": "train", "command": cmd,
                   "tokens_per_s_median": statistics.median(tps), "windows": len(tps),
                   "val_tau_est": val["val_tau_est"], "val_tau_chain": val.get("val_tau_chain"),
                   "wall": wall and wall.group(1), "peak_rss_gb": rss and round(int(rss.group(1)) / 2**20, 2)}))
