@@ -6,9 +6,12 @@ renamed over the old one: a reader sees the old file or the new one, never a mix
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import threading
 from pathlib import Path
+from typing import Callable
 
 from models.errors import DraftheadsError
 
@@ -18,6 +21,23 @@ def write_atomic(path: str | Path, data: bytes | str) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # two writers never share one
     tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
     os.replace(tmp, path)
+
+
+def build_directory_once(out: str | Path, build: Callable[[Path], None]) -> Path:
+    """The directory `out`, made by `build(tmp)` into a temporary directory renamed into place, by one process only:
+    the others (ranks starting together on a fresh machine) wait on `out.lock` and then read the finished one."""
+    out = Path(out)
+    if out.is_dir():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_dir():  # nobody finished it while this process waited
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)  # a killed builder's: only the lock's holder builds
+            build(tmp)
+            tmp.rename(out)
+    return out
 
 
 def check_writable(path: str | Path, name: str, directory: bool = False) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from importlib import util as importlib_util
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import DraftheadsError
+from models.files import build_directory_once
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 TINY_TARGET = "tiny-random-llama"
@@ -334,24 +334,22 @@ def _converted_gguf(gguf: Path, name: str) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:10]
     out = cache_root() / "targets" / f"{gguf.stem}-{key}"
-    if (out / "config.json").is_file():
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"[draftheads] converting {gguf.name} to safetensors in {out} (once)")
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = quantised.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(quantised.state_dict())
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    fresh.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    def convert(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        print(f"[draftheads] converting {gguf.name} to safetensors in {out} (once)")
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = quantised.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        fresh.load_state_dict(quantised.state_dict())
+        fresh.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+
+    return build_directory_once(out, convert)
 
 
 def _hub_snapshot(repo_id: str) -> Path:

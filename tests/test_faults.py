@@ -139,6 +139,32 @@ def test_processes_checking_or_writing_one_path_at_once_do_not_trip_each_other(t
     assert left == [] if call == "check_writable" else left == ["row.json"] and out.read_text() == "299"
 
 
+def test_ranks_starting_together_convert_the_target_once_and_all_read_the_whole_directory(tmp_path):
+    """Two ranks on a fresh machine both found no converted target: each removed the other's temporary directory,
+    and one loaded a directory without its config ('Unrecognized model'). Now one builds, the other waits for it."""
+    script = f"""
+import sys, time
+from pathlib import Path
+from models.files import build_directory_once
+def build(tmp):
+    with open({str(tmp_path / "builds.log")!r}, "a") as log:
+        log.write("built\\n")
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_bytes(b"w" * 1000)
+    time.sleep(1.0)  # the other rank arrives while this one writes
+    (tmp / "config.json").write_text("{{}}")
+out = build_directory_once({str(tmp_path / "target")!r}, build)
+print(sorted(p.name for p in Path(out).iterdir()))
+"""
+    ranks = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1]) for _ in range(2)]
+    outs = [r.communicate(timeout=60)[0].strip() for r in ranks]
+    assert [r.returncode for r in ranks] == [0, 0]
+    assert outs == ["['config.json', 'model.safetensors']"] * 2
+    assert (tmp_path / "builds.log").read_text() == "built\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["builds.log", "target", "target.lock"]
+
+
 def test_a_deepspeed_build_lock_left_by_a_killed_run_is_named_instead_of_hanging(tmp_path):
     """torch's JIT extension loader waits forever on a lock a killed build left (seen: every zero2/zero3 run hung
     after an OOM kill); an old lock is an error naming the file, a fresh one (a build in progress) is not."""
