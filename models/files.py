@@ -23,21 +23,32 @@ def write_atomic(path: str | Path, data: bytes | str) -> None:
     os.replace(tmp, path)
 
 
-def build_directory_once(out: str | Path, build: Callable[[Path], None]) -> Path:
+def build_directory_once(out: str | Path, build: Callable[[Path], None], required: tuple[str, ...] = ()) -> Path:
     """The directory `out`, made by `build(tmp)` into a temporary directory renamed into place, by one process only:
-    the others (ranks starting together on a fresh machine) wait on `out.lock` and then read the finished one."""
+    the others (ranks starting together on a fresh machine) wait on `out.lock` and then read the finished one.
+    `required`: files a finished directory holds; one without them (left by an older, broken build) is built again,
+    and a build that does not write them is an error naming the directory."""
     out = Path(out)
-    if out.is_dir():
+    if _complete(out, required):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_name(out.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not out.is_dir():  # nobody finished it while this process waited
+        if not _complete(out, required):  # nobody finished it while this process waited
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)  # a killed builder's: only the lock's holder builds
             build(tmp)
+            missing = [name for name in required if not (tmp / name).is_file()]
+            if missing:
+                raise DraftheadsError(f"building '{out}' wrote no {', '.join(missing)}; it is left in '{tmp}' to "
+                                      "inspect, and the next run builds it again")
+            shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
     return out
+
+
+def _complete(out: Path, required: tuple[str, ...]) -> bool:
+    return out.is_dir() and all((out / name).is_file() for name in required)
 
 
 def check_writable(path: str | Path, name: str, directory: bool = False) -> None:

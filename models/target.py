@@ -346,10 +346,28 @@ def _converted_gguf(gguf: Path, name: str) -> Path:
             del config.quantization_config
         fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         fresh.load_state_dict(quantised.state_dict())
-        fresh.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        save_model_directory(fresh, tok, tmp)
 
-    return build_directory_once(out, convert)
+    return build_directory_once(out, convert, required=("config.json", "model.safetensors"))
+
+
+def save_model_directory(model, tokenizer, out: Path) -> None:
+    """config.json, model.safetensors and the tokenizer of `model` in `out`, written by this process whatever its rank.
+    transformers 5.x's `save_pretrained` writes weights on rank 0 of a process group only: a rank-1 converter left a
+    directory without them. Tied tensors (the LM head that is the embedding) are stored once, under the first name."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    state, stored = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in stored:
+            stored.add(tensor.data_ptr())
+            state[name] = tensor.contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(out)
 
 
 def _hub_snapshot(repo_id: str) -> Path:

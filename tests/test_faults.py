@@ -165,6 +165,51 @@ print(sorted(p.name for p in Path(out).iterdir()))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["builds.log", "target", "target.lock"]
 
 
+def test_a_converter_of_any_rank_writes_the_weights_and_the_target_loads_from_them_unchanged(tmp_path):
+    """transformers 5.x's save_pretrained writes weights on rank 0 of a process group only: on a fresh machine the
+    rank that won the conversion lock was rank 1, the cached target held a tokenizer and no config or weights, and
+    every later run failed with 'Unrecognized model'. Both ranks of a gloo group now write whole directories."""
+    script = f"""
+import sys, torch
+from pathlib import Path
+from models.target import _load_dir, save_model_directory, tiny_random_llama
+rank = int(sys.argv[1])
+torch.distributed.init_process_group("gloo", init_method="file://{tmp_path}/group", rank=rank, world_size=2)
+model, tok = tiny_random_llama(seed=3)
+out = Path({str(tmp_path)!r}) / f"rank{{rank}}"
+save_model_directory(model, tok, out)
+loaded, _ = _load_dir(out, torch.float32)
+ids = torch.tensor([[1, 5, 9, 2, 7]])
+with torch.no_grad():
+    same = torch.equal(model(ids).logits, loaded(ids).logits)
+print(sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".safetensors")), same)
+"""
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+             for r in range(2)]
+    outs = [r.communicate(timeout=120)[0].strip().splitlines()[-1] for r in ranks]
+    assert [r.returncode for r in ranks] == [0, 0]
+    files = "['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json']"
+    assert outs == [f"{files} True"] * 2
+
+
+def test_a_cached_directory_without_its_files_is_built_again_and_a_build_that_writes_none_is_named(tmp_path):
+    from models.files import build_directory_once
+
+    out = tmp_path / "target"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")  # what the rank-1 conversion left
+    def build(tmp):
+        tmp.mkdir()
+        for name in ("config.json", "model.safetensors"):
+            (tmp / name).write_text("x")
+    build_directory_once(out, build, required=("config.json", "model.safetensors"))
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    with pytest.raises(DraftheadsError, match=r"building '.*/other' wrote no model.safetensors; it is left in"):
+        build_directory_once(tmp_path / "other", lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("x")),
+                             required=("config.json", "model.safetensors"))
+    assert not (tmp_path / "other").exists()
+
+
 def test_a_deepspeed_build_lock_left_by_a_killed_run_is_named_instead_of_hanging(tmp_path):
     """torch's JIT extension loader waits forever on a lock a killed build left (seen: every zero2/zero3 run hung
     after an OOM kill); an old lock is an error naming the file, a fresh one (a build in progress) is not."""
