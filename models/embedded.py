@@ -37,14 +37,13 @@ def embed_draft(target_or_dir, head, out_dir, layer_ids=None, name: str | None =
     """Copy the target checkpoint to out_dir with the head's tensors and config added. A directory is loaded
     (as target `name`, with `layer_ids` = the target layers the head reads) only to fingerprint it; its files
     are copied as they are."""
-    from models.target import Target, load_target
+    from models.target import Target, load_target, save_model_directory
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if isinstance(target_or_dir, Target):
         target = target_or_dir
-        target.model.save_pretrained(out)
-        target.tokenizer.save_pretrained(out)
+        save_model_directory(target.model, target.tokenizer, out)
     else:
         src = Path(target_or_dir)
         if not (src / "config.json").is_file():
