@@ -23,11 +23,12 @@ def write_atomic(path: str | Path, data: bytes | str) -> None:
     os.replace(tmp, path)
 
 
-def build_directory_once(out: str | Path, build: Callable[[Path], None], required: tuple[str, ...] = ()) -> Path:
+def build_directory_once(out: str | Path, build: Callable[[Path], None], required: tuple[str, ...] = (),
+                         what: str = "the build") -> Path:
     """The directory `out`, made by `build(tmp)` into a temporary directory renamed into place, by one process only:
     the others (ranks starting together on a fresh machine) wait on `out.lock` and then read the finished one.
     `required`: files a finished directory holds; one without them (left by an older, broken build) is built again,
-    and a build that does not write them is an error naming the directory."""
+    and a build that does not write them is an error naming `what` (e.g. "converting target GGUF 'X'")."""
     out = Path(out)
     if _complete(out, required):
         return out
@@ -40,8 +41,8 @@ def build_directory_once(out: str | Path, build: Callable[[Path], None], require
             build(tmp)
             missing = [name for name in required if not (tmp / name).is_file()]
             if missing:
-                raise DraftheadsError(f"building '{out}' wrote no {', '.join(missing)}; it is left in '{tmp}' to "
-                                      "inspect, and the next run builds it again")
+                raise DraftheadsError(f"{what} wrote no {', '.join(missing)} (its partial output is in '{tmp}'); check "
+                                      f"the free space under '{out.parent}' and rerun, which builds it again")
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
     return out

@@ -332,7 +332,8 @@ def _packaged_smollm2() -> Path:
 def _converted_gguf(gguf: Path, name: str) -> Path:
     """Dequantise a GGUF once into a cached safetensors directory (save_pretrained refuses GGUF models)."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:10]
+    # v2: directories written before save_model_directory may lack weights or config.architectures: convert again
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}:v2".encode()).hexdigest()[:10]
     out = cache_root() / "targets" / f"{gguf.stem}-{key}"
 
     def convert(tmp: Path) -> None:
@@ -348,24 +349,33 @@ def _converted_gguf(gguf: Path, name: str) -> Path:
         fresh.load_state_dict(quantised.state_dict())
         save_model_directory(fresh, tok, tmp)
 
-    return build_directory_once(out, convert, required=("config.json", "model.safetensors"))
+    return build_directory_once(out, convert, required=("config.json", "model.safetensors"),
+                                what=f"converting target GGUF '{gguf}'")
 
 
 def save_model_directory(model, tokenizer, out: Path) -> None:
     """config.json, model.safetensors and the tokenizer of `model` in `out`, written by this process whatever its rank.
     transformers 5.x's `save_pretrained` writes weights on rank 0 of a process group only: a rank-1 converter left a
-    directory without them. Tied tensors (the LM head that is the embedding) are stored once, under the first name."""
+    directory without them. As there, the config names the architecture and dtype (vLLM needs `architectures`), and
+    tied tensors (the LM head that is the embedding: one Parameter) are stored once, under their first name."""
     from safetensors.torch import save_file
 
+    state, stored = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.is_meta:
+            raise DraftheadsError(f"cannot save '{name}' to '{out}': the model was loaded without its weights "
+                                  "(parts='head_inputs'); load the whole target to save it")
+        alias = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+                 tensor.dtype)
+        if tensor.numel() == 0 or alias not in stored:
+            stored.add(alias)
+            state[name] = tensor.contiguous()
     out.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = str(model.dtype).removeprefix("torch.")
     model.config.save_pretrained(out)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
-    state, stored = {}, set()
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() not in stored:
-            stored.add(tensor.data_ptr())
-            state[name] = tensor.contiguous()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out)
 

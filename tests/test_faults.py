@@ -182,14 +182,16 @@ loaded, _ = _load_dir(out, torch.float32)
 ids = torch.tensor([[1, 5, 9, 2, 7]])
 with torch.no_grad():
     same = torch.equal(model(ids).logits, loaded(ids).logits)
-print(sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".safetensors")), same)
+import json
+print(sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".safetensors")), same,
+      json.loads((out / "config.json").read_text())["architectures"])
 """
     ranks = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
              for r in range(2)]
     outs = [r.communicate(timeout=120)[0].strip().splitlines()[-1] for r in ranks]
     assert [r.returncode for r in ranks] == [0, 0]
     files = "['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json']"
-    assert outs == [f"{files} True"] * 2
+    assert outs == [f"{files} True ['LlamaForCausalLM']"] * 2
 
 
 def test_a_cached_directory_without_its_files_is_built_again_and_a_build_that_writes_none_is_named(tmp_path):
@@ -204,9 +206,10 @@ def test_a_cached_directory_without_its_files_is_built_again_and_a_build_that_wr
             (tmp / name).write_text("x")
     build_directory_once(out, build, required=("config.json", "model.safetensors"))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    with pytest.raises(DraftheadsError, match=r"building '.*/other' wrote no model.safetensors; it is left in"):
+    with pytest.raises(DraftheadsError, match=r"converting X wrote no model.safetensors \(its partial output is in "
+                                              r"'.*/other.tmp'\); check the free space under '.*' and rerun"):
         build_directory_once(tmp_path / "other", lambda tmp: (tmp.mkdir(), (tmp / "config.json").write_text("x")),
-                             required=("config.json", "model.safetensors"))
+                             required=("config.json", "model.safetensors"), what="converting X")
     assert not (tmp_path / "other").exists()
 
 
