@@ -170,7 +170,7 @@ def test_a_converter_of_any_rank_writes_the_weights_and_the_target_loads_from_th
     rank that won the conversion lock was rank 1, the cached target held a tokenizer and no config or weights, and
     every later run failed with 'Unrecognized model'. Both ranks of a gloo group now write whole directories."""
     script = f"""
-import sys, torch
+import json, sys, torch
 from pathlib import Path
 from models.target import _load_dir, save_model_directory, tiny_random_llama
 rank = int(sys.argv[1])
@@ -182,7 +182,6 @@ loaded, _ = _load_dir(out, torch.float32)
 ids = torch.tensor([[1, 5, 9, 2, 7]])
 with torch.no_grad():
     same = torch.equal(model(ids).logits, loaded(ids).logits)
-import json
 print(sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".safetensors")), same,
       json.loads((out / "config.json").read_text())["architectures"])
 """
