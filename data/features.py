@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
 from inference.sampling import greedy_tokens
 from models.errors import DraftheadsError
-from models.files import write_atomic
+from models.files import save_tensors, write_atomic
 from models.target import Target
 
 MANIFEST = "manifest.json"
@@ -282,8 +280,7 @@ def _write_shard(out: Path, manifest: dict, buffer: list[dict], sha256: str, pre
         if key not in ("input_ids", "loss_mask"):
             tensors[key] = torch.cat([b[key] for b in buffer])
     name = f"{prefix}_{len(manifest['shards']):05d}.safetensors"
-    save_file(tensors, str(out / (name + ".tmp")))
-    os.replace(out / (name + ".tmp"), out / name)
+    save_tensors(out / name, tensors)
     manifest["shards"].append({"file": name, "sequences": len(buffer), "tokens": int(lengths.sum()), "sha256": sha256})
     manifest["sequences_done"] += len(buffer)
 

@@ -72,13 +72,15 @@ def killed_after_features(d: Path) -> None:
 
 
 def wrong_shapes(d: Path) -> None:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from models.files import save_tensors
 
     path = d / "head" / "model.safetensors"
     tensors = load_file(path)
     name = next(k for k, v in tensors.items() if v.dim() == 2)
     tensors[name] = tensors[name][:, :-1].contiguous()
-    save_file(tensors, path)
+    save_tensors(path, tensors)
 
 
 HEAD_DAMAGE = {  # name: (damage, what the error names)

@@ -21,10 +21,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from models.errors import DraftheadsError
 from models.families import FAMILIES, family, family_options
+from models.files import save_tensors
 
 FORMAT = "draftheads-draft"
 FORMAT_VERSION = 1
@@ -51,8 +52,7 @@ def save_draft(head, out_dir, target, resolved_config: str | None = None, metric
         raise DraftheadsError(f"the {head.family_name} head has non-finite values in {bad[:3]}; it was not saved to "
                               f"'{out}'. Lower train.lr or check the features")
     out.mkdir(parents=True, exist_ok=True)
-    save_file(state, out / "model.safetensors.tmp")
-    os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
+    save_tensors(out / "model.safetensors", state)
     if resolved_config is not None:
         (out / "resolved_config.yaml").write_text(resolved_config)
     (out / "metrics.json").write_text(json.dumps(metrics or {}, indent=2))

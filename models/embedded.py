@@ -21,11 +21,12 @@ import json
 import shutil
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from models.checkpoint import CHECKED_KEYS, head_from_state
 from models.families import FAMILIES
 from models.errors import DraftheadsError, exit_on_error
+from models.files import save_tensors
 
 PREFIX = "draft."
 CONFIG_KEY = "draft_head"
@@ -55,7 +56,7 @@ def embed_draft(target_or_dir, head, out_dir, layer_ids=None, name: str | None =
             if f.is_file():
                 shutil.copy2(f, out / f.name)
     state = {PREFIX + k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
-    save_file(state, out / DRAFT_FILE, metadata={"format": "pt"})
+    save_tensors(out / DRAFT_FILE, state, metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     config[CONFIG_KEY] = {"family": head.family_name, "config": head.config, "fingerprint": target.fingerprint,
                           "format_version": EMBED_VERSION}

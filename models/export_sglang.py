@@ -17,11 +17,11 @@ import json
 import warnings
 from pathlib import Path
 
-from safetensors.torch import save_file
 
 from models.checkpoint import head_from_state, read_weights
 from models.errors import DraftheadsError
 from models.export import _exportable, _head_tensors, _layer_config, _provenance, _summary
+from models.files import save_tensors
 from models.export_speculators import verifier_name
 from models.peagle import PEagleDrafter
 
@@ -76,7 +76,7 @@ def export_sglang(head_dir, target, out_dir, verifier_path: str | None = None) -
         # no target_hidden_size: our fc reads 3 x hidden_size of the target, which is also the head's width
         "draftheads": {**_provenance(head, target), "k": head.k, "verifier": verifier_name(target, verifier_path)},
     }
-    save_file(tensors, out / "model.safetensors")
+    save_tensors(out / "model.safetensors", tensors)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors.torch import save_file
 
 from models.checkpoint import head_from_state, read_weights
 from models.errors import DraftheadsError
 from models.export import _exportable, _head_tensors, _layer_config, _provenance, _summary
+from models.files import save_tensors
 from models.peagle import PEagleDrafter
 from models.target import DEFAULT_TARGET
 
@@ -91,7 +91,7 @@ def export_speculators(head_dir, target, out_dir, verifier_path: str | None = No
         # vLLM reads mask_token_id only from a "peagle" config; under "eagle3" it drops it and serves a chain head
         config.update(speculators_model_type="peagle", parallel_drafting=True, mask_token_id=mask_id)
         config["speculators_config"]["algorithm"] = "peagle"
-    save_file(tensors, out / "model.safetensors")
+    save_tensors(out / "model.safetensors", tensors)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 

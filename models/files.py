@@ -23,6 +23,21 @@ def write_atomic(path: str | Path, data: bytes | str) -> None:
     os.replace(tmp, path)
 
 
+def save_tensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> None:
+    """A safetensors file written whole (temporary name, then rename), with the permissions open() gives a new file.
+    safetensors' save_file makes its files owner-only (0600) whatever the umask: a head exported for vLLM or SGLang
+    running as another user, or a feature cache shared by a team, could not be opened."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+
+
 def build_directory_once(out: str | Path, build: Callable[[Path], None], required: tuple[str, ...] = (),
                          what: str = "the build") -> Path:
     """The directory `out`, made by `build(tmp)` into a temporary directory renamed into place, by one process only:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import DraftheadsError
-from models.files import build_directory_once
+from models.files import build_directory_once, save_tensors
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 TINY_TARGET = "tiny-random-llama"
@@ -358,8 +358,6 @@ def save_model_directory(model, tokenizer, out: Path) -> None:
     transformers 5.x's `save_pretrained` writes weights on rank 0 of a process group only: a rank-1 converter left a
     directory without them. As there, the config names the architecture and dtype (vLLM needs `architectures`), and
     tied tensors (the LM head that is the embedding: one Parameter) are stored once, under their first name."""
-    from safetensors.torch import save_file
-
     state, stored = {}, set()
     for name, tensor in model.state_dict().items():
         if tensor.is_meta:
@@ -376,7 +374,7 @@ def save_model_directory(model, tokenizer, out: Path) -> None:
     model.config.save_pretrained(out)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(out / "model.safetensors", state, metadata={"format": "pt"})
     tokenizer.save_pretrained(out)
 
 

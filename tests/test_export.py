@@ -81,3 +81,25 @@ def test_default_mask_token_is_an_unused_special_token(tiny_target):
                                                 9: special("<|im_start|>")})
     assert unused_special_token(tok, vocab_size=100) == 7  # 9 is in the chat template, 1/2 are bos/eos
     assert unused_special_token(tiny_target.tokenizer, 259) in range(259)
+
+
+def test_heads_exports_and_features_are_readable_by_a_serving_user(tiny_target, tmp_path):
+    """safetensors' save_file makes files owner-only (0600): vLLM or SGLang running as another user could not open an
+    exported head. Every tensor file is written with the mode open() gives (0644 under umask 022)."""
+    import os
+
+    from data.features import extract_features
+    from models.export_sglang import export_sglang
+
+    old = os.umask(0o022)
+    try:
+        save_draft(peagle_for_target(tiny_target, k=2, parallel=False), tmp_path / "head", tiny_target)
+        export_speculators(tmp_path / "head", tiny_target, tmp_path / "spec")
+        export_sglang(tmp_path / "head", tiny_target, tmp_path / "sglang")
+        ids = torch.arange(1, 40)
+        extract_features(tiny_target, [(ids, torch.ones_like(ids))], tmp_path / "features", shard_tokens=16)
+    finally:
+        os.umask(old)
+    files = sorted(tmp_path.rglob("*.safetensors"))
+    assert len(files) == 4 and not list(tmp_path.rglob("*.tmp"))
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in files} == {f.name: "0o644" for f in files}

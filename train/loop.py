@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from inference.host_memory import release_freed_memory
 from models.errors import DraftheadsError
-from models.files import write_atomic
+from models.files import save_tensors, write_atomic
 from train.temperature import temperature_at
 
 SUMMED = ("tokens", "val_blocks")  # stats added up over micro-batches and ranks; every other one is averaged
@@ -368,13 +368,10 @@ def _read_best(root: Path) -> dict | None:
 
 
 def _save_best(accelerator, model, best_dir: Path, best: dict) -> None:
-    from safetensors.torch import save_file
-
     state = _full_state(accelerator, model)
     if state is not None:
         best_dir.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(best_dir / "model.safetensors.tmp"))
-        os.replace(best_dir / "model.safetensors.tmp", best_dir / "model.safetensors")
+        save_tensors(best_dir / "model.safetensors", state)
         write_atomic(best_dir / "best.json", json.dumps(best).encode())  # written last: marks the weights complete
     accelerator.wait_for_everyone()
 
