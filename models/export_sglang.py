@@ -17,12 +17,11 @@ import json
 import warnings
 from pathlib import Path
 
-
 from models.checkpoint import head_from_state, read_weights
 from models.errors import DraftheadsError
 from models.export import _exportable, _head_tensors, _layer_config, _provenance, _summary
-from models.files import save_tensors
 from models.export_speculators import verifier_name
+from models.files import save_tensors
 from models.peagle import PEagleDrafter
 
 SGLANG_DEFAULT_K = 5  # an SGLang draft does not record its length (the server's --speculative-num-steps sets it)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 from models.checkpoint import head_from_state, read_weights
 from models.errors import DraftheadsError
 from models.export import _exportable, _head_tensors, _layer_config, _provenance, _summary

@@ -16,9 +16,14 @@ from typing import Callable
 from models.errors import DraftheadsError
 
 
+def _temporary_name(path: Path) -> Path:
+    """Where `path` is written before its rename: per process and thread, so two writers never share one."""
+    return path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
 def write_atomic(path: str | Path, data: bytes | str) -> None:
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # two writers never share one
+    tmp = _temporary_name(path)
     tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
     os.replace(tmp, path)
 
@@ -30,7 +35,7 @@ def save_tensors(path: str | Path, tensors: dict, metadata: dict | None = None) 
     from safetensors.torch import save_file
 
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp = _temporary_name(path)
     save_file(tensors, str(tmp), metadata=metadata)
     umask = os.umask(0o022)
     os.umask(umask)
