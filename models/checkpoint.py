@@ -16,7 +16,6 @@ tells them apart by their config.json and summarises theirs in the same shape (l
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from safetensors.torch import load_file
 
 from models.errors import DraftheadsError
 from models.families import FAMILIES, family, family_options
-from models.files import save_tensors
+from models.files import save_tensors, write_atomic
 
 FORMAT = "draftheads-draft"
 FORMAT_VERSION = 1
@@ -56,8 +55,7 @@ def save_draft(head, out_dir, target, resolved_config: str | None = None, metric
     if resolved_config is not None:
         (out / "resolved_config.yaml").write_text(resolved_config)
     (out / "metrics.json").write_text(json.dumps(metrics or {}, indent=2))
-    (out / "config.json.tmp").write_text(json.dumps(config, indent=2))
-    os.replace(out / "config.json.tmp", out / "config.json")  # last: a directory with config.json is complete
+    write_atomic(out / "config.json", json.dumps(config, indent=2))  # last: a directory with config.json is complete
     return out
 
 
