@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         hit = agreement(head, target, collate([item], target.device), args.k)[0]
         answer = item["loss_mask"].bool()
         labelled = answer.nonzero().flatten()
-        anchors = labelled[(labelled - 1 >= 0) & (labelled + args.k < len(answer))] - 1  # every depth labelled
+        anchors = labelled[(labelled >= 2) & (labelled + args.k - 1 < len(answer))] - 2  # depth 1 drafts an answer token
         every.append(hit[anchors])
         walked = simulate_chain(hit, answer, args.max_new)
         starts += [hit[t] for t, _ in walked]

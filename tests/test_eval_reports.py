@@ -103,16 +103,17 @@ def test_chain_simulation_follows_the_sequence_round_by_round():
     from eval.chain_simulation import by_depth
     from train.chain import simulate_chain
 
-    mask = torch.tensor([0, 0, 0] + [1] * 10, dtype=torch.bool)  # answer = tokens 3..12; first anchor 2
+    mask = torch.tensor([0, 0, 0] + [1] * 10, dtype=torch.bool)  # answer = tokens 3..12; first anchor 1
     hit = torch.zeros(13, 3, dtype=torch.bool)
-    hit[2] = torch.tensor([1, 1, 0])  # round 1 at anchor 2 accepts 2, emits 3 -> next anchor 5
-    hit[5] = torch.tensor([0, 1, 1])  # round 2 accepts 0 -> anchor 6
-    hit[6] = torch.tensor([1, 1, 1])  # round 3 accepts 3 -> anchor 10
-    hit[10] = torch.tensor([1, 0, 0])  # round 4 accepts 1 -> anchor 12 = the last token: done
-    assert simulate_chain(hit, mask, max_new=64) == [(2, 2), (5, 0), (6, 3), (10, 1)]  # (anchor, accepted)
-    assert simulate_chain(hit, mask, max_new=4) == [(2, 2)]  # prefill's token + 3: the budget is spent
+    hit[1] = torch.tensor([1, 1, 0])  # round 1 at anchor 1 accepts 2, emits tokens 3..5 -> next anchor 4
+    hit[4] = torch.tensor([0, 1, 1])  # round 2 accepts 0, emits 6 -> anchor 5
+    hit[5] = torch.tensor([1, 1, 1])  # round 3 accepts 3, emits 7..10 -> anchor 9
+    hit[9] = torch.tensor([1, 1, 0])  # round 4: 11 and 12 are left, so it drafts one (accepted) and emits 11, 12
+    assert simulate_chain(hit, mask, max_new=64) == [(1, 2), (4, 0), (5, 3), (9, 1)]  # (anchor, accepted)
+    assert sum(a + 1 for _, a in simulate_chain(hit, mask)) == 10  # every answer token, none past the end
+    assert simulate_chain(hit, mask, max_new=4) == [(1, 2), (4, 0)]  # 3 tokens, then room for one, drafted by none
     assert simulate_chain(hit, mask) == simulate_chain(hit, mask, max_new=64)  # None: the whole answer
-    stats = by_depth(hit[[2, 5, 6, 10]], 3)
-    assert stats["agreement"] == [0.75, 0.75, 0.5]  # unconditional: round 2's later hits count here ...
-    assert stats["acceptance"] == [0.75, 0.6667, 0.5]  # ... and not here (depth 2 given depth 1: 2 of 3)
-    assert stats["tau_est"] == round(1 + 0.75 + 0.75 * 0.6667 + 0.75 * 0.6667 * 0.5, 4)
+    stats = by_depth(hit[[1, 4, 5, 9]], 3)
+    assert stats["agreement"] == [0.75, 1.0, 0.5]  # unconditional: round 2's later hits count here ...
+    assert stats["acceptance"] == [0.75, 1.0, 0.3333]  # ... and not here (depth 3 given depths 1, 2: 1 of 3)
+    assert stats["tau_est"] == round(1 + 0.75 + 0.75 * 1.0 + 0.75 * 1.0 * 0.3333, 4)

@@ -170,7 +170,7 @@ def test_round_start_anchors_are_the_greedy_chains_rounds(tiny_target):
     for b, it in enumerate(items):
         want = [t for t, _ in simulate_chain(hit[b], it["loss_mask"])]
         assert starts[b].nonzero().flatten().tolist() == want
-        assert want[0] == 5  # the first round drafts the second answer token (prefill emits the first)
+        assert want[0] == 4  # the first round drafts the first answer token (6) from the prompt's last anchor
         got = pick_anchors(it, 3, 30, torch.Generator().manual_seed(b), among=starts[b])
         assert len(got) == 3 and set(got) <= set(want)
     short = round_starts(head, tiny_target, items, K, 16, "cpu")

@@ -255,6 +255,22 @@ def test_trained_head_raises_tau(peaked_target, tmp_path):
         taus[name] = sum(r.stats.emitted for r in res) / sum(r.stats.rounds for r in res)
     print("tau", taus)
     assert taus["trained"] > 3.0 > 1.2 > taus["untrained"], taus  # K=3: tau <= 4
+    # val_tau_chain's walk over the same greedy answers takes the rounds the decoding loop took
+    from collections import Counter
+
+    from models.checkpoint import load_draft
+    from train.chain import agreement, simulate_chain
+    from train.trainer import collate
+
+    head = load_draft(trained, peaked_target)
+    for f, r in zip(feats[:4], res):
+        ids = torch.cat([f["input_ids"][:10], torch.tensor(r.tokens[0])])
+        out = peaked_target(ids[None])
+        item = {"input_ids": ids, "loss_mask": torch.arange(len(ids)) >= 10, "aux_hidden": out.aux_hidden[0],
+                "final_hidden": out.final_hidden[0]}
+        walked = simulate_chain(agreement(head, peaked_target, collate([item], "cpu"), 3)[0], item["loss_mask"])
+        assert dict(Counter(a for _, a in walked)) == dict(r.stats.accept_hist) and len(walked) == r.stats.rounds
+        assert walked[0][0] == 8 and sum(a + 1 for _, a in walked) == 24 == r.stats.emitted
 
 
 def test_rl_objective_pieces():

@@ -51,16 +51,20 @@ def agreement(model, target, batch: dict, k: int) -> Tensor:
 
 
 def simulate_chain(hit: Tensor, loss_mask: Tensor, max_new: int | None = None) -> list[tuple[int, int]]:
-    """(anchor, accepted drafts) per round of greedy decoding that follows the sequence from its first answer token
-    (max_new: stop after that many tokens, as decoding does; None: the whole answer)."""
+    """(anchor, accepted drafts) per round of greedy decoding that follows the sequence from its first answer token,
+    as the runtime decodes: the prompt's last token is the first round's input, so that round drafts the first answer
+    token from anchor answer[0] - 2; a round emits its accepted drafts and one more token but never past the answer's
+    last token (the end of turn, or where regeneration stopped) nor past max_new (None: the whole answer), and drafts
+    only as many tokens as leave room for that one more (the runtime's k = min(K, max_new - emitted - 1))."""
     answer = loss_mask.nonzero().flatten()
     if answer.numel() == 0:
         return []
     hit = hit.tolist()  # Python bools: the walk reads them one by one
-    t, end, emitted, rounds = int(answer[0]) - 1, int(answer[-1]), 1, []  # prefill emits token answer[0]
-    while (max_new is None or emitted < max_new) and t + 1 < end:
+    t, end, emitted, rounds = max(int(answer[0]) - 2, 0), int(answer[-1]), 0, []  # tokens up to t + 1 known
+    while t < end - 1 and (max_new is None or emitted < max_new):
+        room = end - t - 1 if max_new is None else min(end - t - 1, max_new - emitted)  # tokens this round may emit
         accepted = 0
-        while accepted < len(hit[t]) and hit[t][accepted]:
+        while accepted < min(len(hit[t]), room - 1) and hit[t][accepted]:
             accepted += 1
         rounds.append((t, accepted))
         emitted += accepted + 1
