@@ -73,8 +73,8 @@ def accept_rejection(
 
 def acceptance_rates(p: Tensor, q: Tensor) -> Tensor:
     """alpha [...] = sum_v min(p, q): P(a token drawn from q is accepted | the earlier ones were) under the rejection
-    rule, for target and draft distributions p, q [..., V] of the same shape. The expected accepted length of a chain
-    is sum_j prod_{i<=j} alpha_i: the RL stage's pathwise objective, the calibration's label, 1 - the TV loss."""
+    rule, for target and draft distributions p, q [..., V] of the same shape: the RL stage's per-depth rate (train/rl.py
+    expected_accepted), the calibration's label, 1 - the TV loss."""
     return torch.minimum(p, q).sum(-1)
 
 

@@ -151,7 +151,8 @@ def test_rl_validation_equals_greedy_acceptance_by_hand(tiny_target):
                     best = tiny_target(torch.cat([ids[: a + 2], y[:-1]])[None]).logits[0, a + 1:].argmax(-1)  # [K]
                     alpha = F.softmax(q.float() / 0.5, -1)[torch.arange(K), best]
                     alphas.append(alpha)
-                    expected.append(float(alpha.cumprod(0).sum()))
+                    reached = torch.cat([torch.ones(1), (y == best).float().cumprod(0)[:-1]])  # greedy prefix right
+                    expected.append(float((alpha * reached).sum()))
                     reward.append(int((y == best).long().cumprod(0).sum()))
     assert got["val_blocks"] == len(expected) == 16 and got["val_serve_temperature"] == 0.0
     assert got["val_expected_accepted"] == pytest.approx(sum(expected) / 16, abs=2e-6)
@@ -197,3 +198,15 @@ def test_rl_run_logs_the_held_out_objective_before_and_after(tiny_target, tmp_pa
         again = rl_validation_fn(head, tiny_target, feats[-2:], cfg.train, 3, tiny_target.device)()
         assert {k: row[k] for k in again} == pytest.approx(again, abs=2e-6)
     assert val[0]["val_expected_accepted"] != val[1]["val_expected_accepted"]
+
+
+def test_expected_accepted_is_unbiased_when_acceptance_depends_on_the_prefix():
+    """K=2, p_1 = (1, 0), q_1 = (1/2, 1/2); after y_1 = 0 the second draft always passes, after y_1 = 1 never. The exact
+    rule accepts y_1 = 0 only, so E[accepted] = 1/2 + 1/2 * 1 = 1; the mean over both draws must be 1 (prod alpha: 0.75)."""
+    from train.rl import expected_accepted
+
+    alpha = torch.tensor([[0.5, 1.0], [0.5, 0.0]])  # the two equally likely draws y_1 = 0, y_1 = 1
+    p_tok = torch.tensor([[1.0, 0.3], [0.0, 0.3]])
+    q_tok = torch.tensor([[0.5, 0.3], [0.5, 0.6]])
+    assert expected_accepted(alpha, p_tok, q_tok).mean().item() == pytest.approx(1.0)
+    assert alpha.cumprod(1).sum(1).mean().item() == pytest.approx(0.75)  # the biased estimate it replaces

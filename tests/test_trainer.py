@@ -276,7 +276,9 @@ def test_trained_head_raises_tau(peaked_target, tmp_path):
 def test_rl_objective_pieces():
     from train.rl import exact_accepted, expected_accepted
 
-    assert expected_accepted(torch.tensor([[1.0, 0.5, 0.5], [0.0, 1.0, 1.0]])).tolist() == [1.75, 0.0]
+    alpha, q = torch.tensor([[1.0, 0.5, 0.5], [0.0, 1.0, 1.0]]), torch.full((2, 3), 0.4)
+    assert expected_accepted(alpha, q, q).tolist() == [2.0, 2.0]  # every drawn token passes: depth k is reached
+    assert expected_accepted(alpha, q / 2, q).tolist() == [1.375, 0.75]  # each passes w.p. 1/2: 1 + .5*.5 + .25*.5
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([[0.3, 0.2, 0.9], [0.3, 0.0, 0.9]])
     assert exact_accepted(p, p.clone(), g).tolist() == [3, 1]  # q = p always accepts; p = 0 always rejects

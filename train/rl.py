@@ -10,7 +10,11 @@ One step, for B sequences of the feature set:
      verification) -> p_k. So 16 blocks cost about one context forward, not 16;
   4. recompute the head's q_k with gradients (teacher-forcing the sampled tokens: training == inference
      numerics, tests/test_peagle.py) and maximise
-        E[accepted] = sum_k prod_{j<=k} alpha_j,   alpha_k = sum_v min(p_k, q_k)     (pathwise, low variance)
+        E[accepted] = sum_k alpha_k prod_{i<k} r_i,   alpha_k = sum_v min(p_k, q_k),   r_i = min(1, p_i(y_i)/q_i(y_i))
+     (pathwise, low variance): depth k counts when y_1..y_{k-1} were accepted, which along a block drawn from q has
+     probability prod r_i, and then accepts with alpha_k. Unbiased for the exact rule's count, unlike
+     sum_k prod_{j<=k} alpha_j, which reads alpha_k after prefixes drawn from q rather than accepted ones (p_k and a
+     chain head's q_k depend on the prefix; README: the objective before 2026-12-05's fix)
       + rl_pg_weight * REINFORCE on R = tokens accepted by the exact rule (min(1, p/q) then first rejection),
         baseline = mean R of the other blocks of the step (stateless, so resume stays exact)
       - rl_kl_weight * KL(q_stage1 || q)  (anchor to the stage-1 head).
@@ -107,9 +111,13 @@ def exact_accepted(p_tok: Tensor, q_tok: Tensor, g: torch.Generator) -> Tensor:
     return accepts(u, p_tok, q_tok).long().cumprod(1).sum(1)
 
 
-def expected_accepted(alpha: Tensor) -> Tensor:
-    """[B]: sum_k prod_{j<=k} alpha_j for alpha [B, K]."""
-    return alpha.cumprod(1).sum(1)
+def expected_accepted(alpha: Tensor, p_tok: Tensor, q_tok: Tensor) -> Tensor:
+    """[B]: E[tokens accepted] of blocks drawn from q, sum_k alpha_k prod_{i<k} min(1, p_i(y_i) / q_i(y_i)), for the
+    acceptance rates alpha [B, K] and the target's and head's probabilities of the drawn tokens p_tok, q_tok [B, K]
+    (at T=0, p one-hot at the target's argmax: prod_{i<k} is 1 while the head's argmax chain agrees, else 0)."""
+    ratio = (p_tok / q_tok.clamp_min(torch.finfo(q_tok.dtype).tiny)).clamp(max=1)
+    reached = torch.cat([torch.ones_like(ratio[:, :1]), ratio[:, :-1].cumprod(1)], 1)
+    return (alpha * reached).sum(1)
 
 
 @torch.no_grad()
@@ -151,7 +159,7 @@ class Rollout:
     q_t: float  # the head's softmax temperature in log_q: the serving T, or 1 when serving greedily
     log_q: Tensor  # [N, K, V] the head's log-probs at q_t; grads when enabled
     alpha: Tensor  # [N, K] sum_v min(p_k, q_k)
-    expected: Tensor  # [N] sum_k prod_{j<=k} alpha_j
+    expected: Tensor  # [N] sum_k alpha_k prod_{i<k} min(1, p_i/q_i) on the drawn tokens: E[accepted]
     reward: Tensor  # [N] tokens accepted by the exact rule
     tokens: int  # context + block tokens the target read
 
@@ -204,7 +212,8 @@ def rollout(model, core, scorer: LlamaForward, items: list[dict], anchor_lists: 
     p_tok = p.gather(-1, yv[..., None]).squeeze(-1)
     reward = exact_accepted(p_tok.detach(), q_tok.detach(), g).float()  # [N]
     tokens = int(sum(c.numel() for c in contexts) + reward.numel() * (k - 1))
-    return Rollout(batch, plan, anchors, valid, yv, q_t, log_q, alpha, expected_accepted(alpha), reward, tokens)
+    expected = expected_accepted(alpha, p_tok, q_tok)
+    return Rollout(batch, plan, anchors, valid, yv, q_t, log_q, alpha, expected, reward, tokens)
 
 
 def acceptance_stats(expected: Tensor, reward: Tensor, alpha: Tensor, serve_t: float) -> dict:
