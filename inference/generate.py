@@ -127,7 +127,7 @@ def speculative_generate(
         if k_round > 0:
             ctx = DraftContext(seq[:length], aux[: length - 1] if features else None,
                                final[: length - 1] if features else None)
-            draft = truncate_draft(source.propose(ctx, k_round, sampling), k_round)
+            draft = truncate_draft(source.propose(ctx, k_round, sampling), k_round, eos)
             if draft.parents is not None:
                 raise DraftheadsError(f"source '{source.name}' proposed a token tree; this reference loop verifies "
                                       "chains only: configure the source for chains (e.g. tree=0) or use the tree runtime")
@@ -161,8 +161,12 @@ def speculative_generate(
     return Generation([tokens], stats)
 
 
-def truncate_draft(draft: Draft, k: int) -> Draft:
-    """A source may return more than asked; keep the first k (and their probs / confidences)."""
+def truncate_draft(draft: Draft, k: int, eos=()) -> Draft:
+    """A source may return more than asked; keep the first k (and their probs / confidences), and in a chain nothing
+    after an end-of-turn token in `eos`: the answer ends there, so later drafts would be verified, and counted as
+    accepted, for tokens never emitted."""
+    if eos and draft.parents is None:
+        k = next((i + 1 for i, t in enumerate(draft.tokens[:k].tolist()) if t in eos), k)
     if draft.size <= k:
         return draft
     cut = lambda t: None if t is None else t[:k]  # noqa: E731

@@ -154,7 +154,8 @@ class Runtime:
                     n = n_tok[b]
                     ctx = DraftContext(self.tokens[b, :n], aux[b, : n - 1] if feats else None,
                                        final[b, : n - 1] if feats else None)
-                    draft = truncate_draft(sources[b if per_request else 0].propose(ctx, k_b, sampling), k_b)
+                    draft = truncate_draft(sources[b if per_request else 0].propose(ctx, k_b, sampling), k_b,
+                                           () if ignore_eos else self.eos)
                     if prefix is not None:
                         draft = prefix.truncate(draft, key=b)
                 drafts[b] = draft

@@ -117,6 +117,8 @@ def test_eos_truncates_like_plain(varied_target, k):
     # the oracle makes EOS land inside accepted blocks (or as the bonus, depending on k)
     spec = speculative_generate(varied_target, Oracle(20, free), prompt, 40, k, GREEDY, eos_ids=[eos])
     assert spec.tokens == [plain]
+    accepted = sum(n * c for n, c in spec.stats.accept_hist.items())  # no draft after the EOS proposed or counted
+    assert accepted + spec.stats.rounds - 1 <= len(plain) and spec.stats.proposed <= len(plain)
     spec = speculative_generate(varied_target, PromptLookup(), prompt, 40, k, GREEDY, eos_ids=[eos])
     assert spec.tokens == [plain]
 

@@ -177,7 +177,11 @@ def test_requests_stopping_early_leave_the_others_lossless(tiny_target, tree):
     rt = Runtime(tiny_target, max_len=128, batch_size=4)
     rt.eos = eos
     for source in (None, OracleSource(prompts, ref, tree=tree, needs_features=True)):
-        assert rt.generate(prompts, 30, source=source, k=4).tokens == cut
+        g = rt.generate(prompts, 30, source=source, k=4)
+        assert g.tokens == cut
+    if not tree:  # requests 0, 1: a draft cut after its end token, accepted, its bonus token dropped
+        accepted = sum(n * c for n, c in g.stats.accept_hist.items())
+        assert accepted == g.stats.emitted - g.stats.rounds + 2 and g.stats.proposed < 4 * g.stats.rounds
 
 
 def test_requests_left_decoding_are_packed_into_one_cache_slice(tiny_target, monkeypatch):
