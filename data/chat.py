@@ -46,19 +46,23 @@ def assistant_char_spans(tokenizer, conv: Conversation) -> tuple[str, list[tuple
 
 
 def tokenize_chat(tokenizer, conv: Conversation, max_length: int | None = None, overlong: str = "truncate",
-                  last_turn_open: bool = False) -> TokenizedChat | None:
+                  open_turns: list[bool] | None = None) -> TokenizedChat | None:
     """Token ids and assistant-only loss mask; None when the chat is over max_length and overlong == "skip".
 
-    last_turn_open: the last assistant turn was cut by a token limit (regeneration), so the sequence ends after its
-    content and no end-of-turn marker is trained where the target would not have put one.
+    open_turns: per assistant turn, whether it was cut by a token limit (regeneration's `finished` negated): no
+    end-of-turn marker is trained where the target would not have put one. A cut last turn also ends the sequence
+    after its content; a cut earlier turn keeps its marker as context for the turns after it, untrained.
     """
     text, spans = assistant_char_spans(tokenizer, conv)
-    if last_turn_open and spans:
-        start, _ = spans[-1]
-        content = conv[-1]["content"]
-        if conv[-1]["role"] == "assistant" and text.startswith(content, start):
-            text = text[: start + len(content)]
-            spans[-1] = (start, len(text))
+    assistant = [t for t in conv if t["role"] == "assistant"]
+    for i, is_open in zip(range(len(spans)), open_turns or []):
+        if not is_open:
+            continue
+        start, end = spans[i]
+        content_end = _content_end(text, start, end, assistant[i]["content"])
+        spans[i] = (start, content_end)
+        if i == len(spans) - 1 and conv[-1]["role"] == "assistant":
+            text = text[:content_end]
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     mask = [any(s <= a and b <= e for s, e in spans) and b > a for a, b in offsets]
@@ -70,6 +74,22 @@ def tokenize_chat(tokenizer, conv: Conversation, max_length: int | None = None, 
             raise DraftheadsError(f"data.overlong must be 'truncate' or 'skip', got '{overlong}'")
         ids, mask, truncated = ids[:max_length], mask[:max_length], True
     return TokenizedChat(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), truncated)
+
+
+def _content_end(text: str, start: int, end: int, content: str) -> int:
+    """Where an assistant turn's content ends in the rendered chat (its span [start, end)), for templates that render
+    it as is or trimmed (Llama 3's `| trim`)."""
+    if text.startswith(content, start):
+        return start + len(content)
+    stripped = content.strip()
+    if not stripped:
+        return start
+    at = text.find(stripped, start, end)
+    if at < 0:
+        raise DraftheadsError("the target's chat template changes an assistant turn's text beyond trimming it, so a "
+                              "turn cut by regen_max_new cannot be located to leave its end-of-turn marker untrained; "
+                              "use a template that renders contents as given (or raise data.regen_max_new)")
+    return at + len(stripped)
 
 
 def tokenize_text(tokenizer, text: str, max_length: int | None = None, overlong: str = "truncate"

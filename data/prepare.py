@@ -117,12 +117,12 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
         records = [r for r in map(json.loads, filter(bytes.strip, lines))
                    if r["id"] < len(convs)]  # records past a lowered data.max_records stay on disk, unused
         records.sort(key=lambda r: r["id"])
-        chats = [(r["conversation"], not r["finished"][-1]) for r in records]
+        chats = [(r["conversation"], [not f for f in r["finished"]]) for r in records]
     else:
-        chats = [(c, False) for c in convs]
+        chats = [(c, None) for c in convs]
     sequences, overlong_count = [], 0
     tokenized = ((tokenize_text(target.tokenizer, doc, d.max_length, d.overlong) for doc in convs) if documents else
-                 (tokenize_chat(target.tokenizer, c, d.max_length, d.overlong, last_turn_open=o) for c, o in chats))
+                 (tokenize_chat(target.tokenizer, c, d.max_length, d.overlong, open_turns=o) for c, o in chats))
     for tc in tokenized:
         if tc is None or tc.truncated:
             overlong_count += 1

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 
 from data.chat import prompt_ids, tokenize_chat
@@ -30,10 +32,24 @@ def test_assistant_only_mask_tiny_template(tiny_target):
     assert tok.decode(tc.input_ids[first - 10:first]) == "assistant\n"  # boundary: mask starts right after header
 
 
-def test_open_last_turn_has_no_end_marker(tiny_target):
-    tc = tokenize_chat(tiny_target.tokenizer, CONV, last_turn_open=True)
-    assert _masked_text(tiny_target.tokenizer, tc)[-1] == "Sure."
-    assert tiny_target.tokenizer.decode(tc.input_ids[-5:]) == "Sure."
+def test_turns_cut_by_the_token_limit_train_no_end_marker(tiny_target):
+    tok = tiny_target.tokenizer
+    tc = tokenize_chat(tok, CONV, open_turns=[False, True])  # the last turn was cut: the sequence ends after it
+    assert _masked_text(tok, tc) == ["Yo!<|im_end|>", "Sure."]
+    assert tok.decode(tc.input_ids[-5:]) == "Sure."
+    tc = tokenize_chat(tok, CONV, open_turns=[True, False])  # an earlier cut turn keeps its marker, untrained
+    assert _masked_text(tok, tc) == ["Yo!", "Sure.<|im_end|>"]
+    assert tc.input_ids.tolist() == tokenize_chat(tok, CONV).input_ids.tolist()
+
+
+def test_cut_turns_are_found_under_a_trimming_template(tiny_target):
+    """Llama 3's template trims contents: a cut answer ending in whitespace is rendered without it."""
+    tok = copy.deepcopy(tiny_target.tokenizer)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    conv = CONV[:3] + [{"role": "assistant", "content": "Sure. \n"}]
+    assert _masked_text(tok, tokenize_chat(tok, conv, open_turns=[True, True])) == ["Yo!", "Sure."]
+    assert _masked_text(tok, tokenize_chat(tok, conv)) == ["Yo!<|im_end|>", "Sure.<|im_end|>"]
 
 
 def test_overlong_truncate_or_skip(tiny_target):
