@@ -177,8 +177,10 @@ class Runtime:
                 for b, (path, nxt) in zip(members, results):
                     draft = drafts[b]
                     emitted = [int(draft.tokens[i]) for i in path] + [nxt]
-                    depth = int(tree_depths(draft_parents(draft)).max()) if draft.size else 0
-                    stats.record_round(draft.size, len(path), depth)
+                    if not ignore_eos:  # a tree path through an end token: what follows it is never emitted
+                        end = next((i + 1 for i, tok in enumerate(emitted) if tok in self.eos), len(emitted))
+                        emitted, path = emitted[:end], path[:end]
+                    stats.record_round(draft.size, len(path), tested_depth(draft, path))
                     schedules[b].update(draft.size, len(path))
                     if prefix is not None and draft.parents is None:
                         prefix.update(draft.size, len(path), key=b)
@@ -309,6 +311,14 @@ class Runtime:
         self.cost = VerifyCost(list(sizes), seconds)
         return self.cost
 
+
+
+def tested_depth(draft: Draft, path: list[int]) -> int:
+    """How deep a round compared drafts with the target: its accepted path, plus the depth below its last node
+    where a child was rejected (none when that node is a leaf of the tree)."""
+    parents = draft_parents(draft)
+    last = path[-1] if path else -1
+    return len(path) + int(bool((parents == last).any()))
 
 
 def _forward_tuple(model: LlamaForward):

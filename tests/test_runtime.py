@@ -179,9 +179,20 @@ def test_requests_stopping_early_leave_the_others_lossless(tiny_target, tree):
     for source in (None, OracleSource(prompts, ref, tree=tree, needs_features=True)):
         g = rt.generate(prompts, 30, source=source, k=4)
         assert g.tokens == cut
-    if not tree:  # requests 0, 1: a draft cut after its end token, accepted, its bonus token dropped
-        accepted = sum(n * c for n, c in g.stats.accept_hist.items())
-        assert accepted == g.stats.emitted - g.stats.rounds + 2 and g.stats.proposed < 4 * g.stats.rounds
+    # requests 0, 1: their end token accepted, nothing after it counted (a chain is cut there before verifying)
+    accepted = sum(n * c for n, c in g.stats.accept_hist.items())
+    assert accepted == g.stats.emitted - g.stats.rounds + 2
+    assert tree or g.stats.proposed < 4 * g.stats.rounds
+
+
+def test_a_round_tests_the_depth_below_its_path_only_where_the_tree_goes_on():
+    from inference.runtime import tested_depth
+
+    tree = Draft(torch.tensor([5, 6, 7]), parents=torch.tensor([-1, -1, 0]))  # node 1 is a leaf, node 0 has a child
+    assert [tested_depth(tree, p) for p in ([], [0], [1], [0, 2])] == [1, 2, 1, 2]
+    chain = Draft(torch.tensor([5, 6, 7]))
+    assert [tested_depth(chain, p) for p in ([], [0], [0, 1], [0, 1, 2])] == [1, 2, 3, 3]
+    assert tested_depth(Draft(torch.tensor([], dtype=torch.long)), []) == 0
 
 
 def test_requests_left_decoding_are_packed_into_one_cache_slice(tiny_target, monkeypatch):
