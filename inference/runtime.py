@@ -312,7 +312,6 @@ class Runtime:
         return self.cost
 
 
-
 def tested_depth(draft: Draft, path: list[int]) -> int:
     """How deep a round compared drafts with the target: its accepted path, plus the depth below its last node
     where a child was rejected (none when that node is a leaf of the tree)."""
