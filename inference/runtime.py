@@ -187,12 +187,10 @@ class Runtime:
                     observe = getattr(sources[b if per_request else 0], "observe", None) if sources else None
                     if observe is not None:  # empty drafts too: a source that often has nothing pays for it
                         observe(draft, len(emitted), dt * (1 + draft.size) / width)
-                    for tok in emitted:
+                    for tok in emitted[: max_new - len(outputs[b])]:  # emitted already ends at an end token
                         self.tokens[b, n_tok[b]] = tok
                         n_tok[b] += 1
                         outputs[b].append(tok)
-                        if len(outputs[b]) >= max_new or (tok in self.eos and not ignore_eos):
-                            break
             active = [b for b in active if len(outputs[b]) < max_new
                       and (ignore_eos or not outputs[b] or outputs[b][-1] not in self.eos)]
             if not self.compiled:
