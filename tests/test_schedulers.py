@@ -146,11 +146,13 @@ def test_schedulers_are_lossless_through_the_runtime(tiny_target):
     assert g.tokens == ref and select.selector.picks[1] > 2 * select.selector.picks[0]
 
 
-def test_selector_charges_rounds_without_a_draft(tiny_target):
+def test_selector_charges_rounds_without_a_draft(tiny_target, monkeypatch):
     prompts = make_prompts((5, 13), seed=3)
     ref = reference(tiny_target, prompts, 40)
     empty = FixedSource("empty", lambda k: torch.empty(0, dtype=torch.long))
     select = SelectSource([empty, OracleSource(prompts, ref)], "select:empty+oracle", warmup=2)
+    ticks = iter(range(10**6))  # every timed span lasts one tick: a stall on a loaded machine cannot decide the picks
+    monkeypatch.setattr("inference.runtime.time.perf_counter", lambda: float(next(ticks)))
     g = Runtime(tiny_target, max_len=128, batch_size=2).generate(prompts, 40, select, k=4, ignore_eos=True)
     assert g.tokens == ref and select.selector.rounds[0] == 2  # tried, charged, then left alone
     assert select.selector.picks[1] > 5 * select.selector.picks[0]
