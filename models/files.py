@@ -21,11 +21,20 @@ def _temporary_name(path: Path) -> Path:
     return path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
-def write_atomic(path: str | Path, data: bytes | str) -> None:
-    path = Path(path)
+def _written_whole(path: Path, write: Callable[[Path], None]) -> None:
+    """write(tmp), then tmp renamed to `path`; a failed write (a full disk) removes its partial temporary file, so it
+    holds none of the space the user frees to rerun."""
     tmp = _temporary_name(path)
-    tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: str | Path, data: bytes | str) -> None:
+    _written_whole(Path(path), lambda tmp: tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data))
 
 
 def save_tensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> None:
@@ -34,13 +43,13 @@ def save_tensors(path: str | Path, tensors: dict, metadata: dict | None = None) 
     running as another user, or a feature cache shared by a team, could not be opened."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    tmp = _temporary_name(path)
-    save_file(tensors, str(tmp), metadata=metadata)
-    umask = os.umask(0o022)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp), metadata=metadata)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+
+    _written_whole(Path(path), write)
 
 
 def build_directory_once(out: str | Path, build: Callable[[Path], None], required: tuple[str, ...] = (),

@@ -72,6 +72,31 @@ def test_kept_and_recomputed_logits_give_the_same_loss_and_gradient(kind, monkey
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_confidence_label_is_acceptance_at_t1_whatever_the_distillation_temperature():
+    """DSpark's confidence head learns 1 - TV(p, q) at T = 1 (what serving at T = 1 accepts), not at the annealed
+    distillation temperature: a flattened pair agrees more (p=[.9,.1], q=[.5,.5]: 0.60 at T=1, 0.75 at T=2)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    import train.trainer as trainer
+    from train.losses import total_variation
+
+    g = torch.Generator().manual_seed(3)
+    lm, conf = torch.nn.Linear(16, 40, bias=False), torch.nn.Linear(16, 1)
+    core = SimpleNamespace(logits_for=lambda h, depth: lm(h), confidence_logit=lambda h, depth: conf(h).squeeze(-1))
+    tc = SimpleNamespace(distill_weight=0.0, loss="fkl", lk_tv_weight=0.5, hidden_weight=0.0, ce_weight=0.0,
+                         confidence_weight=1.0)
+    tgt, labels, hidden = torch.randn(6, 40, generator=g), torch.randint(0, 40, (6,), generator=g), torch.randn(6, 16)
+    with torch.no_grad():
+        label = 1.0 - total_variation(tgt, lm(hidden))
+        want = F.binary_cross_entropy_with_logits(conf(hidden).squeeze(-1), label, reduction="sum")
+        for temperature in (1.0, 2.0):
+            part, _ = trainer._chunk_loss(core, hidden, None, Softmax(tgt, temperature), labels, labels, torch.ones(6),
+                                          tc, temperature)
+            torch.testing.assert_close(part, want)
+
+
 @pytest.mark.parametrize("kind", ["fkl", "lk"])
 def test_rows_that_share_a_label_position_share_its_softmax_exactly(kind):
     """The trainer computes the target's softmax once per label position and gathers it for every row labelled

@@ -404,8 +404,8 @@ def _chunk_loss(core, hidden, depth, p: Softmax, labels, best, w, tc, temperatur
             per = per + tc.hidden_weight * F.smooth_l1_loss(h.float(), ref.float(), reduction="none").mean(-1)
         if tc.ce_weight > 0:
             per = per + tc.ce_weight * token_ce(q, labels)
-        if tc.confidence_weight > 0 and hasattr(core, "confidence_logit"):  # DSpark: c_k learns 1 - TV_k
-            survive = 1.0 - total_variation(p, q).detach()
+        if tc.confidence_weight > 0 and hasattr(core, "confidence_logit"):  # DSpark: c_k learns 1 - TV_k at T = 1
+            survive = 1.0 - total_variation(p, q, temperature=1.0).detach()  # not the annealed distillation T
             c_logit = core.confidence_logit(h, depth).float()
             per = per + tc.confidence_weight * F.binary_cross_entropy_with_logits(c_logit, survive, reduction="none")
         return (per * w).sum(), (greedy_tokens(logits.detach()) == best).float()
