@@ -412,6 +412,12 @@ def test_a_resume_with_other_settings_is_refused_and_resume_false_starts_over(pe
     assert sorted(val) == [2, 4, 6, 8]  # only the last run's lines
     second = json.loads((tmp_path / "head" / "metrics.json").read_text())
     assert second["best_val_loss"] == val[second["best_step"]] > first["best_val_loss"]  # its own best, not the earlier
+    again = make_cfg(tmp_path, steps=8, holdout_sequences=3, eval_every=2, lr=3e-2, checkpoint_every=2, resume=False)
+    train_draft(again, peaked_target, feats, tmp_path, stop_at_step=4)  # a fresh start, killed: the old head went
+    assert not (tmp_path / "head_soft_label").exists()
+    again.train.resume = True
+    train_draft(again, peaked_target, feats, tmp_path)  # so the rerun resumes from step 4 instead of meeting it
+    assert json.loads((tmp_path / "head" / "metrics.json").read_text())["best_val_loss"] < second["best_val_loss"]
 
 
 def test_rl_killed_before_its_first_checkpoint_logs_step_0_once(peaked_target, tmp_path):
@@ -550,6 +556,10 @@ def test_a_finished_run_recorded_before_an_option_existed_still_resumes(tmp_path
     check_settings(path, now, "the head")
     with pytest.raises(DraftheadsError, match="train.length_grouped: False there, True now"):
         check_settings(path, {**now, "train.length_grouped": True}, "the head")
+    check_settings(path, {**now, "processes": 2}, "the head")  # not recorded then: unknown, not compared
+    path.write_text(json.dumps({**now, "processes": 2}))
+    with pytest.raises(DraftheadsError, match="processes: 2 there, 1 now"):  # each step would read other data
+        check_settings(path, {**now, "processes": 1}, "the head")
 
 
 def test_the_target_lm_head_rows_are_made_once_in_the_matmul_dtype():

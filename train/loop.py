@@ -175,15 +175,15 @@ def newest_checkpoint(root: Path) -> Path | None:
 
 def check_settings(path: Path, settings: dict, what: str) -> None:
     """Raise naming the differences when the settings recorded at `path` are not `settings`. An option the recording
-    lacks (it was added later) counts as its default, so a finished run still resumes under newer code."""
+    lacks (it was added later) counts as its default, so a finished run still resumes under newer code; another
+    missing entry (e.g. the process count) is unknown and not compared."""
     from omegaconf import OmegaConf
 
     from conf.schema import Config
 
     recorded = json.loads(path.read_text())
     defaults = OmegaConf.structured(Config)
-    recorded |= {k: OmegaConf.select(defaults, k) for k in set(settings) - set(recorded)
-                 if OmegaConf.select(defaults, k, default="?") != "?"}
+    recorded |= {k: OmegaConf.select(defaults, k, default=settings[k]) for k in set(settings) - set(recorded)}
     keys = sorted(set(recorded) | set(settings))
     diff = [f"{k}: {recorded.get(k)!r} there, {settings.get(k)!r} now" for k in keys if recorded.get(k) != settings.get(k)]
     if diff:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from models.checkpoint import build_draft, head_from_state, load_draft, save_dra
 from models.draft_vocab import build_draft_vocab, extend_draft_vocab, to_draft_ids, token_counts
 from models.errors import DraftheadsError
 from models.families import family
+from models.files import write_atomic
 from train.cod import anchor_plan, cod_plan, plan_to
 from train.loop import RunLog, Shard, Stage, Tally, check_settings, run_stage
 from train.losses import (KEEP_LOGITS_BYTES, LOSS_CHUNK_ROWS, Softmax, distill_loss, position_weights, token_ce,
@@ -452,13 +454,16 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     data_id = data_identity(everything)
     if "soft_label" in tc.stages:
         stage_dir = out / "head_soft_label"
-        settings = stage_settings(cfg, "soft_label", data_id, dc.init_from)
+        settings = stage_settings(cfg, "soft_label", data_id, dc.init_from, accelerator.num_processes)
         if (stage_dir / "config.json").is_file() and tc.resume:
             if (stage_dir / "settings.json").is_file():
                 check_settings(stage_dir / "settings.json", settings, f"the stage-1 head in '{stage_dir}'")
             if main:
                 print(f"[draftheads] soft_label: already done ({stage_dir})")
         else:
+            if main and stage_dir.exists():  # an earlier head (train.resume=false) or an unfinished save: not this run's
+                shutil.rmtree(stage_dir)
+            accelerator.wait_for_everyone()
             head = _trainable(_initial_head(dc, target, dataset), tc)
             validate = None if holdout is None else soft_label_validation(target, tc, dc.k, head.family_name,
                                                                           holdout, fill)
@@ -478,7 +483,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
         if not start:
             raise DraftheadsError("train.stages=[rl] needs draft.init_from=DIR (a stage-1 head) to start from")
         head = _trainable(load_draft(start, target), tc)
-        settings = stage_settings(cfg, "rl", data_id, _head_identity(start))
+        settings = stage_settings(cfg, "rl", data_id, _head_identity(start), accelerator.num_processes)
         finished, state, metrics = train_rl(cfg, head, target, dataset, holdout, out, log, accelerator, stop_at_step,
                                             fill, settings)
         accelerator.free_memory()
@@ -499,16 +504,19 @@ NOT_SHAPING = {"steps", "rl_steps", "checkpoint_every", "eval_every", "val_tau_c
                "wandb_project", "dry_run", "stages"}
 
 
-def stage_settings(cfg, stage: str, data_id, start) -> dict:
+def stage_settings(cfg, stage: str, data_id, start, processes: int = 1) -> dict:
     """What shapes a stage's weights, flat: draft.*, train.* (RL's knobs for RL only; steps may be raised to train
-    longer), the data it reads and the head it starts from. Recorded with its checkpoints and its head."""
+    longer), the data it reads, the head it starts from and the process count (each step reads train.grad_accum
+    micro-batches per process: resuming with another count would re-read or skip data). Recorded with its checkpoints
+    and its head."""
     from omegaconf import OmegaConf
 
     flat = {f"draft.{k}": v for k, v in OmegaConf.to_container(cfg.draft, resolve=True).items()}
     for k, v in OmegaConf.to_container(cfg.train, resolve=True).items():
         if k not in NOT_SHAPING and (stage == "rl" or not k.startswith("rl_")):
             flat[f"train.{k}"] = v
-    return {"stage": stage, **flat, "data": data_id, "start": None if start is None else str(start)}
+    return {"stage": stage, **flat, "data": data_id, "start": None if start is None else str(start),
+            "processes": processes}
 
 
 def data_identity(dataset) -> str | None:
@@ -525,7 +533,7 @@ def _save_head(accelerator, head, state: dict | None, out_dir: Path, target, res
     if accelerator.is_main_process:
         final = head_from_state(head.family_name, head.config, state, target, f"the trained {head.family_name} head")
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "settings.json").write_text(json.dumps(settings, indent=1, sort_keys=True))
+        write_atomic(out_dir / "settings.json", json.dumps(settings, indent=1, sort_keys=True))
         save_draft(final, out_dir, target, resolved, metrics)  # config.json last: the head is complete
     accelerator.wait_for_everyone()
 
