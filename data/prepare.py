@@ -20,7 +20,7 @@ from data.chat import tokenize_chat, tokenize_text
 from data.features import MANIFEST, extract_features, merge_parts
 from data.readers import DOCUMENT_SOURCES, PROMPT_SOURCES, ReadStats, read_conversations, read_text_dir
 from data.regenerate import merge_parts as merge_regenerated
-from data.regenerate import regenerate, regeneration_totals
+from data.regenerate import record_files, regenerate, regeneration_totals
 from models.errors import DraftheadsError
 from models.files import write_atomic
 from models.target import Target
@@ -41,16 +41,27 @@ class Workers:
     gather: Callable[[list], list] = lambda items: items
 
 
-def data_settings(d, fingerprint: dict, seed: int) -> dict:
+def weights_identity(path: str | None, dtype: str) -> dict:
+    """Which weights the target was loaded from, beyond its name: target.path (resolved) when given, target.dtype when
+    not float32. Empty for the built-in weights in float32, so data made before this key existed keeps its key."""
+    weights = {"path": str(Path(path).expanduser().resolve())} if path else {}
+    return weights | ({"dtype": dtype} if dtype != "float32" else {})
+
+
+def data_settings(d, fingerprint: dict, seed: int, weights: dict | None = None) -> dict:
     """What shapes the data directory's content: the data.* fields that change records or tokens, the target (name,
-    tokenizer, feature layers) and the seed; shard sizes do not. `regen_sha256` keys the regenerated text alone (the
-    feature layers and dtype do not shape it), so heads reading other layers share one regeneration."""
+    tokenizer, feature layers, `weights_identity`) and the seed; shard sizes do not. `regen_sha256` keys the
+    regenerated text alone (the feature layers and dtype do not shape it), so heads reading other layers share one
+    regeneration."""
     keep = {k: getattr(d, k) for k in SHAPING}
-    keep["target"] = {k: fingerprint[k] for k in ("name", "tokenizer_hash", "layer_ids")}
+    keep["target"] = {k: fingerprint[k] for k in ("name", "tokenizer_hash", "layer_ids")} | \
+        ({"weights": weights} if weights else {})
     keep["seed"] = seed
     keep["sha256"] = _digest(keep)
-    keep["regen_sha256"] = _digest({**{k: keep[k] for k in REGEN_SHAPING + ("seed",)},
-                                    "target": {k: fingerprint[k] for k in ("name", "tokenizer_hash")}})
+    regen_target = {k: fingerprint[k] for k in ("name", "tokenizer_hash")}
+    if weights and "path" in weights:
+        regen_target["path"] = weights["path"]
+    keep["regen_sha256"] = _digest({**{k: keep[k] for k in REGEN_SHAPING + ("seed",)}, "target": regen_target})
     return keep
 
 
@@ -73,10 +84,11 @@ def ready_report(out_dir: str | Path, settings: dict) -> dict | None:
 
 
 def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers: Workers = Workers(),
-                 regenerated: str | Path | None = None) -> dict:
+                 regenerated: str | Path | None = None, weights: dict | None = None) -> dict:
     """Run the data stage with the data config `d` (conf.schema.DataConfig); every rank calls it. Returns the report
     (written to out_dir/data_report.json by the main process). `regenerated`: where the regenerated conversations
-    are (or go), out_dir/regenerated.jsonl by default; a shared file is reused by runs with the same regen_sha256."""
+    are (or go), out_dir/regenerated.jsonl by default; a shared file is reused by runs with the same regen_sha256.
+    weights: `weights_identity` of the target."""
     if d.features not in FEATURE_MODES:
         raise DraftheadsError(f"data.features '{d.features}' is not one of {list(FEATURE_MODES)}")
     out = Path(out_dir)
@@ -95,11 +107,12 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
     if d.source in PROMPT_SOURCES and not d.regenerate:
         raise DraftheadsError(f"data.source={d.source} holds prompts only: set data.regenerate=true so the target "
                               "answers them")
-    report: dict = {"settings": data_settings(d, target.fingerprint, seed), "read": stats.summary(),
+    report: dict = {"settings": data_settings(d, target.fingerprint, seed, weights), "read": stats.summary(),
                     "conversations": len(convs), "processes": workers.world}
     if documents:
         chats = []
     elif d.regenerate:
+        check_regeneration_settings(regenerated, report["settings"], main)
         max_prompt = max(d.max_length - d.regen_max_new, 1)
         report["regenerate"] = regenerate(
             target, convs, regenerated, max_new=d.regen_max_new, turns=d.regen_turns,
@@ -137,6 +150,30 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
         write_atomic(out / "data_report.json", json.dumps(report, indent=1))
     workers.wait()
     return report
+
+
+def check_regeneration_settings(regenerated: Path, settings: dict, main: bool) -> None:
+    """Records already in `regenerated` (or its processes' part files) are reused by id: only when they were made with
+    these settings (a lower data.max_records is extended). Otherwise an error naming what changed. The settings are
+    stamped beside the file by the main process."""
+    stamp = regenerated.with_name(regenerated.name + ".settings.json")
+    now = {f"data.{k}": settings[k] for k in REGEN_SHAPING if k != "max_records"} | \
+        {"train.seed": settings["seed"], "target.name": settings["target"]["name"],
+         "target.path": settings["target"].get("weights", {}).get("path")}
+    try:
+        before = json.loads(stamp.read_text())
+    except FileNotFoundError:
+        before = now  # no stamp (a file from before stamps existed): taken as made with these settings
+    except ValueError:
+        before = {}  # damaged: unknown settings, the same as other ones
+    diff = [f"{k}: {before.get(k)!r} there, {now[k]!r} now" for k in sorted(now) if before.get(k) != now[k]]
+    if diff and record_files(regenerated):
+        raise DraftheadsError(f"'{regenerated}' holds answers regenerated with other settings ({'; '.join(diff[:4])}); "
+                              "rerun with those settings, use another output_dir (or data.cache_dir, which keeps one "
+                              f"file per setting), or delete '{regenerated}' and its '.settings.json' to regenerate")
+    if main and (before != now or not stamp.exists()):
+        regenerated.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(stamp, json.dumps(now, indent=1, sort_keys=True))
 
 
 def _over_processes(stats: dict, workers: Workers) -> dict:

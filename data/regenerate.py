@@ -89,7 +89,7 @@ def part_path(out_path: Path, rank: int, world: int) -> Path:
     return out_path if world == 1 else out_path.with_name(f"{out_path.stem}.part_{rank}-of-{world}{out_path.suffix}")
 
 
-def _record_files(out_path: Path) -> list[tuple[Path, int]]:
+def record_files(out_path: Path) -> list[tuple[Path, int]]:
     """out_path and its part files of every process count, those that exist: (path, process count)."""
     name = re.compile(rf"{re.escape(out_path.stem)}(?:\.part_\d+-of-(\d+))?{re.escape(out_path.suffix)}")
     found = sorted(out_path.parent.glob(f"{glob.escape(out_path.stem)}*{out_path.suffix}"))
@@ -101,7 +101,7 @@ def _records_of(out_path: Path, but_count: int | None = None) -> dict[int, dict]
     file, and the parts that processes beside it are writing): a run resumed with another number of processes
     reuses the records another count made."""
     done: dict[int, dict] = {}
-    for path, count in _record_files(out_path):
+    for path, count in record_files(out_path):
         if count != but_count:
             done.update(_read_done(path))
     return done
@@ -127,7 +127,7 @@ def regeneration_totals(out_path: str | Path) -> dict:
     seconds (per process count the slowest part, as its parts ran side by side; runs of other counts ran one after
     another) and the tokens/s that makes. Counts whose record file is gone are not counted."""
     by_world: dict[int, list[dict]] = {}
-    for path, count in _record_files(Path(out_path)):
+    for path, count in record_files(Path(out_path)):
         by_world.setdefault(count, []).append(_read_progress(path))
     runs = sum(max(p["runs"] for p in parts) for parts in by_world.values())
     tokens = sum(p["new_tokens"] for parts in by_world.values() for p in parts)

@@ -165,3 +165,35 @@ def test_heads_reading_other_layers_share_one_regeneration(tiny_target, tmp_path
     assert first["regenerate"]["new_tokens"] > 0 and second["regenerate"]["new_tokens"] == 0  # read, not redone
     assert second["tokenize"] == first["tokenize"]
     assert not (tmp_path / "three" / "regenerated.jsonl").exists()
+
+
+def test_answers_regenerated_with_other_settings_are_never_reused(tiny_target, tmp_path):
+    """Without data.cache_dir the run's regenerated.jsonl has no settings in its name: a rerun with another
+    regen_max_new, or other weights at target.path, stops naming the change instead of reusing the old answers
+    (records are matched by id); a higher data.max_records extends the file."""
+    from omegaconf import OmegaConf
+
+    from conf.schema import DataConfig
+    from data.prepare import data_settings, prepare_data, weights_identity
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"turns": [f"write {i}"]}) + "\n" for i in range(6)))
+    d = OmegaConf.structured(DataConfig(source="prompt_jsonl", path=str(tmp_path / "p.jsonl"), max_records=3,
+                                        max_length=2048, regen_max_new=4, regen_batch_size=4, shard_mb=0.01))
+    first = prepare_data(tiny_target, tmp_path / "data", d)
+    d.max_records = 6
+    more = prepare_data(tiny_target, tmp_path / "data", d)
+    assert first["regenerate"]["records"] == 3 and more["regenerate"]["records"] == 6
+    d.regen_max_new = 12
+    with pytest.raises(DraftheadsError, match=r"regenerated.jsonl' holds answers regenerated with other settings "
+                                              r"\(data.regen_max_new: 4 there, 12 now\)"):
+        prepare_data(tiny_target, tmp_path / "data", d)
+    d.regen_max_new = 4
+    other = weights_identity(str(tmp_path / "finetuned"), "float32")
+    with pytest.raises(DraftheadsError, match="target.path: None there, '.*finetuned' now"):
+        prepare_data(tiny_target, tmp_path / "data", d, weights=other)
+    # the shared cache's key: other weights (or dtype) are other data; the built-in weights in float32 add nothing
+    base = data_settings(d, tiny_target.fingerprint, 0)
+    assert data_settings(d, tiny_target.fingerprint, 0, weights_identity(None, "float32")) == base
+    for w in (other, weights_identity(None, "bfloat16")):
+        assert data_settings(d, tiny_target.fingerprint, 0, w)["sha256"] != base["sha256"]
+    assert data_settings(d, tiny_target.fingerprint, 0, other)["regen_sha256"] != base["regen_sha256"]

@@ -46,7 +46,7 @@ def run(cfg: DictConfig) -> dict:
     stage and the τ table split their work over the processes."""
     from accelerate.utils import gather_object
 
-    from data.prepare import Workers, data_settings, prepare_data, ready_report
+    from data.prepare import Workers, data_settings, prepare_data, ready_report, weights_identity
     from eval.tau_table import evaluate, log_tau, source_label
     from inference.threads import available_threads
     from models.target import load_target
@@ -78,7 +78,8 @@ def run(cfg: DictConfig) -> dict:
               f"vocab {target.vocab_size}, features from layers {list(target.layer_ids)}; "
               f"{world} process(es) x {threads} thread(s), strategy {cfg.accelerate.strategy}; "
               f"malloc: {malloc_policy()}")
-    settings = data_settings(d, target.fingerprint, cfg.train.seed)
+    weights = weights_identity(t.path, t.dtype)
+    settings = data_settings(d, target.fingerprint, cfg.train.seed, weights)
     data_dir, regenerated = data_directory(cfg, out, settings, main)
     report = {"data": ready_report(data_dir, settings)}
     if report["data"] is None:
@@ -87,7 +88,7 @@ def run(cfg: DictConfig) -> dict:
                                   "data.regen_backend=openai (a vLLM / SGLang server at data.regen_server) or prepare "
                                   "the data with accelerate=ddp first")
         target = load()
-        report["data"] = prepare_data(target, data_dir, d, cfg.train.seed, workers, regenerated)
+        report["data"] = prepare_data(target, data_dir, d, cfg.train.seed, workers, regenerated, weights)
     elif main:
         print(f"[draftheads] data: ready in {data_dir} (same settings: {report['data']['settings']['sha256']})")
     if main:
