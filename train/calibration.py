@@ -6,8 +6,11 @@ STS fits tau_1, tau_2, ... LEFT TO RIGHT: with tau_<k fixed, tau_k is the grid v
 against the empirical outcome "1..k all accepted". Outcomes come from teacher-forced blocks at random anchors
 of held-out sequences (every block fully inside the trained span): accepted_k = sum_v min(p_k, q_k) under the
 runtime's SamplingConfig at `temperature` — 0/1 (draft argmax == target argmax) when greedy, the exact acceptance
-probability of the lossless rule when T > 0. Teacher forcing is exact here: while 1..k-1 are accepted the
-drafted prefix is the true one (regenerated data = the target's own greedy output).
+probability of the lossless rule when T > 0. At T = 0 teacher forcing is exact: while 1..k-1 are accepted the
+drafted prefix is the true one (regenerated data = the target's own greedy output). At T > 0 it is an approximation:
+an accepted prefix is then the draft's sampled tokens, not the greedy ones, so the outcomes are those of the greedy
+path (likely the easiest) and the fitted S_k may run high; the cost is speed (the prefix scheduler keeps too many
+drafts), never output.
 
     python -m train.calibration --head DIR --features DIR [--temperature 0] [--out DIR]   (one JSON line last)
 """
