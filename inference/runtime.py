@@ -177,10 +177,12 @@ class Runtime:
                 for b, (path, nxt) in zip(members, results):
                     draft = drafts[b]
                     emitted = [int(draft.tokens[i]) for i in path] + [nxt]
+                    ended = False  # an end token on the draft's path: nothing below it was tested for the output
                     if not ignore_eos:  # a tree path through an end token: what follows it is never emitted
                         end = next((i + 1 for i, tok in enumerate(emitted) if tok in self.eos), len(emitted))
+                        ended = end <= len(path)
                         emitted, path = emitted[:end], path[:end]
-                    stats.record_round(draft.size, len(path), tested_depth(draft, path))
+                    stats.record_round(draft.size, len(path), len(path) if ended else tested_depth(draft, path))
                     schedules[b].update(draft.size, len(path))
                     if prefix is not None and draft.parents is None:
                         prefix.update(draft.size, len(path), key=b)

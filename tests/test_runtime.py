@@ -183,6 +183,9 @@ def test_requests_stopping_early_leave_the_others_lossless(tiny_target, tree):
     accepted = sum(n * c for n, c in g.stats.accept_hist.items())
     assert accepted == g.stats.emitted - g.stats.rounds + 2
     assert tree or g.stats.proposed < 4 * g.stats.rounds
+    # requests 0, 1 alone: one round each, ended by the end token at depth 1: nothing below it counts as tested
+    g = rt.generate(prompts[:2], 30, source=OracleSource(prompts[:2], ref[:2], tree=tree, needs_features=True), k=4)
+    assert g.tokens == cut[:2] and g.stats.tested == g.stats.accepted == {0: 2}
 
 
 def test_a_round_tests_the_depth_below_its_path_only_where_the_tree_goes_on():
