@@ -20,14 +20,44 @@ import torch
 from models.errors import DraftheadsError, cli
 
 
+# what a pair's two runs must share (the draft source, K, dtype and engine may differ: they are what is compared)
+SAME_IN_A_PAIR = ("prompts", "categories", "limit", "skip", "temperature", "top_p", "top_k", "max_new", "seed", "target",
+                  "target_path")
+
+
+def _results(path: str) -> dict:
+    try:
+        results = json.load(open(path))
+        results["turns"]  # noqa: B018 (the key every reader needs)
+        return results
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DraftheadsError(f"'{path}' is not an eval.acceptance results JSON ({e}); pass the --out file of a run") from None
+
+
 def turn_counts(path: str, category: str | None = None) -> dict[tuple, tuple[int, int]]:
     """(question_id, turn) -> (tokens, rounds) of one acceptance JSON (of one category's questions)."""
-    try:
-        turns = json.load(open(path))["turns"]
-    except (OSError, ValueError, KeyError) as e:
-        raise DraftheadsError(f"'{path}' is not an eval.acceptance results JSON ({e}); pass the --out file of a run") from None
-    return {(r["question_id"], r["turn"]): (r["tokens"], r["rounds"]) for r in turns
+    return {(r["question_id"], r["turn"]): (r["tokens"], r["rounds"]) for r in _results(path)["turns"]
             if category is None or r["category"] == category}
+
+
+def prompts_identity(path: str) -> str:
+    """The sha256 of the prompts file a run read ('' for a run that did not record it)."""
+    request = _results(path).get("request", {})
+    return request.get("files", {}).get(request.get("prompts"), "")
+
+
+def check_comparable(before_path: str, after_path: str) -> None:
+    """Two runs differ only in what is compared: the same prompts file (by content), limits, sampling, max_new, seed
+    and target. Runs that did not record their request are not checked."""
+    before, after = _results(before_path).get("request"), _results(after_path).get("request")
+    if before is None or after is None:
+        return
+    diff = [f"{k}: {before.get(k)!r} / {after.get(k)!r}" for k in SAME_IN_A_PAIR if before.get(k) != after.get(k)]
+    if prompts_identity(before_path) != prompts_identity(after_path):
+        diff.append("the prompts file's content")
+    if diff:
+        raise DraftheadsError(f"'{before_path}' and '{after_path}' were run with other settings ({'; '.join(diff)}): "
+                              "their τ difference would measure those; rerun one with the other's settings")
 
 
 def categories_of(path: str) -> list[str]:
@@ -39,14 +69,16 @@ def tau_difference(pairs: list[tuple[str, str]], draws: int = 1000, seed: int = 
     rows_b, rows_a, question = [], [], []
     qids: dict = {}
     for before_path, after_path in pairs:
+        check_comparable(before_path, after_path)
         before, after = turn_counts(before_path, category), turn_counts(after_path, category)
         if set(before) != set(after):
             raise DraftheadsError(f"'{before_path}' and '{after_path}' cover different prompts/turns; rerun both with "
                                   "the same --prompts, --categories and --limit")
+        prompts = prompts_identity(before_path)  # pooled pairs share a question only within one prompts file
         for key in sorted(before, key=str):
             rows_b.append(before[key])
             rows_a.append(after[key])
-            question.append(qids.setdefault(key[0], len(qids)))
+            question.append(qids.setdefault((prompts, key[0]), len(qids)))
     b, a = torch.tensor(rows_b, dtype=torch.float64), torch.tensor(rows_a, dtype=torch.float64)  # [N, (tokens, rounds)]
     q = torch.tensor(question)
 

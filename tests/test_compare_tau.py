@@ -8,11 +8,11 @@ from eval.compare_tau import main, tau_difference
 from models.errors import DraftheadsError
 
 
-def write(path, counts, categories=None):
+def write(path, counts, categories=None, request=None):
     turns = [{"question_id": q, "turn": t, "tokens": tok, "rounds": r, **({"category": categories[q]} if categories
                                                                           else {})}
              for (q, t), (tok, r) in counts.items()]
-    path.write_text(json.dumps({"turns": turns}))
+    path.write_text(json.dumps({"turns": turns, **({"request": request} if request else {})}))
     return str(path)
 
 
@@ -50,3 +50,18 @@ def test_mismatched_runs_are_refused(tmp_path, capsys):
     assert main([before]) == 2 and "BEFORE AFTER pairs" in capsys.readouterr().err
     assert main([before, str(tmp_path / "missing.json")]) == 2
     assert "not an eval.acceptance results JSON" in capsys.readouterr().err
+
+
+def test_runs_with_other_settings_are_refused(tmp_path):
+    """Same questions but another max_new (or prompts file content, temperature, seed...): the difference would
+    measure the setting. Another source, K or engine is what a comparison compares."""
+    counts = {(1, 0): (60, 40), (2, 0): (60, 40)}
+    request = {"source": "head:a", "prompts": "p.jsonl", "files": {"p.jsonl": "abc"}, "max_new": 64, "k": 5,
+               "temperature": 0.0}
+    before = write(tmp_path / "b.json", counts, request=request)
+    other_head = write(tmp_path / "h.json", counts, request={**request, "source": "head:b", "k": 8})
+    assert tau_difference([(before, other_head)])["diff"] == 0
+    for name, change in (("max_new", {"max_new": 128}), ("the prompts file's content", {"files": {"p.jsonl": "def"}})):
+        after = write(tmp_path / "a.json", counts, request={**request, **change})
+        with pytest.raises(DraftheadsError, match=f"were run with other settings \\({name}"):
+            tau_difference([(before, after)])
