@@ -5,8 +5,11 @@
 
 Rows: `plain` (our runtime, no source), `spec` (our runtime + source), `hf_generate` (transformers
 `generate`, batch 1) and `hf_prompt_lookup` (`generate(prompt_lookup_num_tokens=K)`, batch 1). Every
-request generates exactly --max-new tokens (EOS ignored), the first prompt of each mode is a warm-up,
-times are medians over --repeats; tokens/s = new tokens / wall time (prefill included). Prompts are the
+request generates exactly --max-new tokens (EOS ignored), the first batch of each mode is a warm-up,
+times are medians over --repeats (3; the modes' order alternates from batch to batch and repeat to repeat, so a
+drift in machine speed favours none; each repeat's tokens/s is reported); tokens/s = new tokens / wall time
+(prefill included). tau here is over first turns and runs through EOS (the τ tables stop at it and add second
+turns): compare it with this table's own rows. Prompts are the
 first user turn in the target's chat template; batches are formed inside a category. Also reported:
 tau, acceptance per position, the cost of verifying n tokens vs 1 (profiled), KV-cache bytes.
 --check-lossless (temperature 0) exits 1 if any speculative output differs from plain greedy.
@@ -82,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--skip", type=int, default=0, help="skip the first N prompt records (e.g. those trained on)")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="0 = the free CPUs of this process (inference/threads.py)")
     ap.add_argument("--load", type=int, default=0, help="run N single-threaded busy processes beside the measurement")
     ap.add_argument("--dtype", default="float32")
@@ -174,14 +177,14 @@ def _run(args: argparse.Namespace) -> tuple[dict, bool]:
         lookup = args.k if mode == "hf_prompt_lookup" else None
         return [hf_generate(target, p, args.max_new, sampling, lookup, args.seed) for p in batch]
 
-    for mode in modes:  # warm-up: allocator, caches, first-call overheads
-        once(mode, batches[0][1][:1], None)
+    for mode in modes:  # warm-up at a full batch's shapes: allocator, caches, first-call overheads, CUDA graphs
+        once(mode, batches[0][1], None)
     times = {m: defaultdict(list) for m in modes}  # mode -> batch index -> seconds per repeat
     outputs = {m: {} for m in modes}
     cat_stats = defaultdict(DecodeStats)
     for rep in range(args.repeats):
         for bi, (cat, batch) in enumerate(batches):
-            for mode in modes:
+            for mode in (modes if (rep + bi) % 2 == 0 else modes[::-1]):
                 st = cat_stats[cat] if (mode == "spec" and rep == 0) else None
                 toks, sec = timed(lambda: once(mode, batch, st))
                 times[mode][bi].append(sec)
@@ -194,6 +197,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, bool]:
     n_tokens = [len(b) * args.max_new for _, b in batches]
     med = {m: [statistics.median(times[m][bi]) for bi in range(len(batches))] for m in modes}
     tps = {m: round(sum(n_tokens) / sum(med[m]), 2) for m in modes}
+    tps_each = {m: [round(sum(n_tokens) / sum(times[m][bi][r] for bi in range(len(batches))), 2)
+                    for r in range(args.repeats)] for m in modes}
     per_cat = {}
     for cat in by_cat:
         idx = [bi for bi, (c, _) in enumerate(batches) if c == cat]
@@ -228,6 +233,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, bool]:
         "verify_ms": {n: round(s * 1000, 2) for n, s in zip(cost.sizes, cost.seconds)},
         "verify_cost_ratio_k": round(cost(args.k + 1) / cost(1), 3),
         "tokens_per_s": tps,
+        "tokens_per_s_each_repeat": tps_each,
         "speedup": round(tps["spec"] / tps["plain"], 3) if {"spec", "plain"} <= set(tps) else None,
         "plain_vs_hf": round(tps["plain"] / tps["hf_generate"], 3) if {"plain", "hf_generate"} <= set(tps) else None,
         "tau": round(spec_stats.tau, 3) if spec_stats.rounds else None,

@@ -22,6 +22,7 @@ def test_speedup_result_becomes_a_table_row(tmp_path, capsys):
     assert code == 0
     result = json.loads(out.read_text())
     assert result["lossless"] is True and result["prompts"] == 3
+    assert result["repeats"] == 3 and all(len(v) == 3 for v in result["tokens_per_s_each_repeat"].values())
     machine = result["machine"]  # what the figures were measured on, so other days' figures can be compared
     assert machine["torch_threads"] == 1 and machine["cpus_available"] >= 1 and machine["cpu"]
     assert min(machine[k] for k in ("bf16_gemm_gflops", "fp32_gemm_gflops", "copy_gbps", "python_ns_per_iter")) > 0
