@@ -104,6 +104,9 @@ def test_head_source_is_lossless_in_the_reference_loop(tiny_target, tmp_path):
         assert res.tokens == [plain]
         sampled = speculative_generate(tiny_target, src, prompt, 12, 3, SamplingConfig(temperature=0.9), eos_ids=[])
         assert len(sampled.tokens[0]) == 12
+    # its sampling noise is not the verifier's: the runtime seeds its acceptance draws with the same run seed (0)
+    fresh = head_source(str(tmp_path / "True"), tiny_target).generator
+    assert fresh.initial_seed() != torch.Generator().manual_seed(0).initial_seed()
 
 
 def test_trainer_labels_are_aligned_with_an_oracle_target():

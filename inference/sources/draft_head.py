@@ -20,6 +20,9 @@ from models.families import family
 from models.peagle import DraftCache
 
 
+DRAFT_STREAM = 0x5DEECE66D  # mixed into a head source's seed
+
+
 class DraftHeadSource:
     needs_features = True
 
@@ -32,7 +35,9 @@ class DraftHeadSource:
             raise DraftheadsError(f"draft source '{name}': depth={depth} must be between 1 and the head's K={head.k}")
         self.head, self.name, self.tree, self.depth = head, name, tree, depth or head.k
         self.cache = DraftCache()
-        self.generator = torch.Generator(device=next(head.parameters()).device).manual_seed(seed)
+        # a stream of its own: the runtime seeds its acceptance draws with the run's seed, and one stream shared by
+        # both would reuse the draft's noise as the acceptance and residual noise (on CUDA, draw for draw)
+        self.generator = torch.Generator(device=next(head.parameters()).device).manual_seed(seed ^ DRAFT_STREAM)
 
     def reset(self) -> None:
         self.cache.reset()
