@@ -72,7 +72,10 @@ def accept_tree(
     sampling: SamplingConfig,
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], int]:
-    """-> (accepted node indices along the path, next token). Chains go through `verify.verify_chain`."""
+    """-> (accepted node indices along the path, next token). Chains go through `verify.verify_chain`.
+    At T > 0 siblings are tried in order, each against the residual the earlier ones left: exact for distinct point
+    masses (every tree source today) and for siblings drawn independently from their draft.probs rows; siblings drawn
+    WITHOUT replacement would need each q with the earlier siblings removed (not implemented)."""
     if draft.parents is None:
         n, nxt = verify_chain(draft, target_logits, sampling, generator)
         return list(range(n)), nxt
