@@ -34,26 +34,26 @@ def _results(path: str) -> dict:
         raise DraftheadsError(f"'{path}' is not an eval.acceptance results JSON ({e}); pass the --out file of a run") from None
 
 
-def turn_counts(path: str, category: str | None = None) -> dict[tuple, tuple[int, int]]:
-    """(question_id, turn) -> (tokens, rounds) of one acceptance JSON (of one category's questions)."""
-    return {(r["question_id"], r["turn"]): (r["tokens"], r["rounds"]) for r in _results(path)["turns"]
+def turn_counts(results: dict, category: str | None = None) -> dict[tuple, tuple[int, int]]:
+    """(question_id, turn) -> (tokens, rounds) of one acceptance run's results (of one category's questions)."""
+    return {(r["question_id"], r["turn"]): (r["tokens"], r["rounds"]) for r in results["turns"]
             if category is None or r["category"] == category}
 
 
-def prompts_identity(path: str) -> str:
+def prompts_identity(results: dict) -> str:
     """The sha256 of the prompts file a run read ('' for a run that did not record it)."""
-    request = _results(path).get("request", {})
+    request = results.get("request", {})
     return request.get("files", {}).get(request.get("prompts"), "")
 
 
-def check_comparable(before_path: str, after_path: str) -> None:
+def check_comparable(before_path: str, after_path: str, before_results: dict, after_results: dict) -> None:
     """Two runs differ only in what is compared: the same prompts file (by content), limits, sampling, max_new, seed
     and target. Runs that did not record their request are not checked."""
-    before, after = _results(before_path).get("request"), _results(after_path).get("request")
+    before, after = before_results.get("request"), after_results.get("request")
     if before is None or after is None:
         return
     diff = [f"{k}: {before.get(k)!r} / {after.get(k)!r}" for k in SAME_IN_A_PAIR if before.get(k) != after.get(k)]
-    if prompts_identity(before_path) != prompts_identity(after_path):
+    if prompts_identity(before_results) != prompts_identity(after_results):
         diff.append("the prompts file's content")
     if diff:
         raise DraftheadsError(f"'{before_path}' and '{after_path}' were run with other settings ({'; '.join(diff)}): "
@@ -62,19 +62,20 @@ def check_comparable(before_path: str, after_path: str) -> None:
 
 def categories_of(path: str) -> list[str]:
     """The categories of one acceptance JSON, in the order its turns come."""
-    return list(dict.fromkeys(r["category"] for r in json.load(open(path))["turns"]))
+    return list(dict.fromkeys(r["category"] for r in _results(path)["turns"]))
 
 
 def tau_difference(pairs: list[tuple[str, str]], draws: int = 1000, seed: int = 0, category: str | None = None) -> dict:
     rows_b, rows_a, question = [], [], []
     qids: dict = {}
     for before_path, after_path in pairs:
-        check_comparable(before_path, after_path)
-        before, after = turn_counts(before_path, category), turn_counts(after_path, category)
+        before_results, after_results = _results(before_path), _results(after_path)
+        check_comparable(before_path, after_path, before_results, after_results)
+        before, after = turn_counts(before_results, category), turn_counts(after_results, category)
         if set(before) != set(after):
             raise DraftheadsError(f"'{before_path}' and '{after_path}' cover different prompts/turns; rerun both with "
                                   "the same --prompts, --categories and --limit")
-        prompts = prompts_identity(before_path)  # pooled pairs share a question only within one prompts file
+        prompts = prompts_identity(before_results)  # pooled pairs share a question only within one prompts file
         for key in sorted(before, key=str):
             rows_b.append(before[key])
             rows_a.append(after[key])
