@@ -108,6 +108,7 @@ class Stage:
     validate: Callable | None = None  # (model, Shard) -> metrics (identical on every rank), or None
     keep_best: bool = True  # keep the best validated weights (stage 1); RL only logs validation, step 0 included
     keep_best_by: str = "val_loss"  # val_loss (lowest) or a τ metric (highest) of the validation's output
+    steps_option: str = "train.steps"  # the option that sets `steps`, for messages
     settings: dict = field(default_factory=dict)  # what shapes the weights (train.trainer.stage_settings)
 
 
@@ -162,15 +163,25 @@ def lr_factor(step: int, warmup: int, steps: int, floor: float = 0.1) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(x, 1.0)))
 
 
-def newest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint: its trainer_state.json (written last, atomically) names its step."""
+def newest_checkpoint(root: Path) -> tuple[int, Path | None]:
+    """(step, directory) of the newest complete checkpoint, (0, None) without one: its trainer_state.json (written
+    last, atomically) names its step."""
     done = []
     for p in root.glob("step_*"):
         try:
             done.append((json.loads((p / "trainer_state.json").read_text())["step"], p))
         except (OSError, ValueError, KeyError):
             continue  # no marker (or a damaged one): the save never finished
-    return max(done, key=lambda sp: sp[0], default=(0, None))[1]
+    return max(done, key=lambda sp: sp[0], default=(0, None))
+
+
+def check_steps(done: int, steps: int, where, option: str) -> None:
+    """A stage trained `done` steps (its newest checkpoint at `where`) cannot stop at fewer: returning those weights
+    as a `steps`-step result would mislabel them."""
+    if done > steps:
+        raise DraftheadsError(f"'{where}' is at step {done}, past the {steps} steps asked for ({option}={steps}); set "
+                              f"{option} to {done} or more to resume, train.resume=false to start the stage over, or "
+                              "use another output_dir")
 
 
 def check_settings(path: Path, settings: dict, what: str) -> None:
@@ -216,8 +227,9 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
     check_or_record_settings(stage.ckpt_root, stage.settings, main, tc.resume)
     accelerator.wait_for_everyone()
 
+    done, last = newest_checkpoint(stage.ckpt_root)
+    check_steps(done, stage.steps, last, stage.steps_option)
     step = 0
-    last = newest_checkpoint(stage.ckpt_root)
     if last is not None:
         states = last / f"random_states_{accelerator.process_index}.pkl"  # every strategy writes one per rank
         if not states.is_file():
@@ -239,6 +251,11 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
     else:
         log.restart(stage.name)
     best = _read_best(stage.ckpt_root) if stage.keep_best else None
+    if best is not None and best.get("by", "val_loss") != stage.keep_best_by:
+        raise DraftheadsError(f"the best weights kept in '{stage.ckpt_root / 'best'}' were chosen by "
+                              f"{best.get('by', 'val_loss')}, this run would choose by {stage.keep_best_by} "
+                              "(train.keep_best_by / train.val_tau_chain changed): set them back to resume, or set "
+                              "train.resume=false to start the stage over")
     if stage.validate is not None and not stage.keep_best and step == 0:
         log.write({"stage": stage.name, "step": 0, **_validate(model, stage, shard)})
 

@@ -30,7 +30,8 @@ from models.errors import DraftheadsError
 from models.families import family
 from models.files import write_atomic
 from train.cod import anchor_plan, cod_plan, plan_to
-from train.loop import RunLog, Shard, Stage, Tally, check_settings, run_stage
+from train.loop import (RunLog, Shard, Stage, Tally, check_settings, check_steps, newest_checkpoint,
+                        run_stage)
 from train.losses import (KEEP_LOGITS_BYTES, LOSS_CHUNK_ROWS, Softmax, distill_loss, position_weights, token_ce,
                           total_variation)
 
@@ -455,13 +456,18 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     if "soft_label" in tc.stages:
         stage_dir = out / "head_soft_label"
         settings = stage_settings(cfg, "soft_label", data_id, dc.init_from, accelerator.num_processes)
-        if (stage_dir / "config.json").is_file() and tc.resume:
+        done = newest_checkpoint(out / "checkpoints")[0]  # the steps the head was trained for, where still known
+        longer = tc.resume and 0 < done < tc.steps  # train.steps raised: training goes on from the head's checkpoint
+        if (stage_dir / "config.json").is_file() and tc.resume and not longer:
             if (stage_dir / "settings.json").is_file():
                 check_settings(stage_dir / "settings.json", settings, f"the stage-1 head in '{stage_dir}'")
+            check_steps(done, tc.steps, stage_dir, "train.steps")
             if main:
                 print(f"[draftheads] soft_label: already done ({stage_dir})")
         else:
-            if main and stage_dir.exists():  # an earlier head (train.resume=false) or an unfinished save: not this run's
+            if main and stage_dir.exists():  # an earlier head (resume=false), an unfinished save, or one to train on
+                if longer:
+                    print(f"[draftheads] soft_label: train.steps={tc.steps} is past the head's {done}: training on")
                 shutil.rmtree(stage_dir)
             accelerator.wait_for_everyone()
             head = _trainable(_initial_head(dc, target, dataset), tc)
@@ -469,7 +475,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
                                                                           holdout, fill)
             stage = Stage("soft_label", tc.steps, tc.lr, tc.warmup_steps,
                           soft_label_step_fn(target, dataset, tc, dc.k, head.family_name, target.device, fill),
-                          out / "checkpoints", validate, settings=settings, keep_best_by=tc.keep_best_by)
+                          out / "checkpoints", validate, settings=settings, keep_best_by=_keep_best_key(tc))
             finished, state, metrics = run_stage(accelerator, head, stage, tc, log, stop_at_step)
             accelerator.free_memory()
             if not finished:
@@ -498,6 +504,11 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     if own_wandb:
         log.wandb_run.finish()
     return out / "head"
+
+
+def _keep_best_key(tc) -> str:
+    """What stage 1 keeps its best weights by: train.keep_best_by, val_loss where the chain is not walked."""
+    return tc.keep_best_by if tc.val_tau_chain or tc.keep_best_by == "val_loss" else "val_loss"
 
 
 NOT_SHAPING = {"steps", "rl_steps", "checkpoint_every", "eval_every", "val_tau_chain", "log_every", "resume", "wandb",
