@@ -52,6 +52,15 @@ def prefill_groups(n_ctx: list[int], max_tokens: int | None) -> list[tuple[int, 
     return groups + [(start, len(n_ctx))]
 
 
+def fitting_groups(members: list[int], drafts: dict[int, Draft], free: dict[int, int]) -> list[list[int]]:
+    """One verify forward pads every member to the widest [anchor, draft]; a member with fewer free cache slots than
+    that width (a long prompt near max_len) is verified on its own, where its own width fits (generate's check)."""
+    width = 1 + max(drafts[b].size for b in members)
+    tight = [b for b in members if free[b] < width]
+    rest = [b for b in members if free[b] >= width]
+    return [[b] for b in tight] + ([rest] if rest else [])
+
+
 class Runtime:
     """A target behind a static KV cache for up to `batch_size` requests of up to `max_len` positions.
 
@@ -165,8 +174,8 @@ class Runtime:
             # -- verify, one forward per draft-length group --
             sizes = [1 + drafts[b].size for b in active]
             groups = plan_groups(sizes, self.cost) if self.cost is not None else [list(range(len(active)))]
-            for group in groups:
-                members = [active[i] for i in group]
+            free = {b: self.cache.max_len - self.cache_len(row_of[b]) for b in active}
+            for members in (part for g in groups for part in fitting_groups([active[i] for i in g], drafts, free)):
                 t0 = time.perf_counter()
                 results = self._verify_group(members, [row_of[b] for b in members], drafts, sampling, gen, aux, final)
                 self._sync()

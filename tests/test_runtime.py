@@ -353,6 +353,32 @@ def test_static_graph_path_is_lossless(tiny_target, tree):
     assert g.tokens == ref and all(T in (1, 2, 4, 8) for _, T in rt.forward.graphs)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_cache_row_near_full_verifies_beside_longer_drafts(tiny_target, graphs):
+    """max_len = longest prompt + max_new + 1, the least generate accepts: near the end the long prompt's row has
+    fewer free slots than a short prompt's draft is wide, so one padded forward over both would overrun its row
+    (an error on the dynamic path, a shape error on the static one); the runtime verifies it on its own."""
+    class Continuation:  # the reference continuation (all accepted: the long prompt races ahead) or all of it wrong
+        name, needs_features = "continuation", False
+
+        def __init__(self, full, wrong):
+            self.full, self.wrong = full, wrong
+
+        def reset(self):
+            pass
+
+        def propose(self, ctx, k, sampling):
+            n = ctx.tokens.numel()
+            return Draft(torch.tensor([(t + self.wrong) % 259 for t in self.full[n: n + k]], dtype=torch.long))
+
+    prompts = make_prompts((30, 4))
+    ref = reference(tiny_target, prompts, 16)
+    rt = Runtime(tiny_target, max_len=30 + 16 + 1, batch_size=2, cuda_graphs=graphs)
+    sources = [Continuation(p + r, wrong) for p, r, wrong in zip(prompts, ref, (0, 1))]
+    g = rt.generate(prompts, 16, source=sources, k=4, ignore_eos=True)
+    assert g.tokens == ref
+
+
 @pytest.mark.slow
 def test_compiled_runtime_is_lossless(tiny_target):
     """torch.compile(mode='reduce-overhead') on CPU (inductor; ~1 min of compiling)."""
