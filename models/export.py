@@ -45,7 +45,10 @@ def serving_layout_summary(d: Path, config: dict, layout: str) -> dict:
             raise DraftheadsError(f"'{d}/config.json' has no transformer_layer_config.model_type; add the one the "
                                   "head was trained with ('llama' or 'qwen3')")
         parallel = kind == "peagle" or bool(config.get("parallel_drafting"))
-        norm_before_residual = bool(config.get("norm_before_residual", False))
+        if "norm_before_residual" not in config:  # engines differ on its default (vLLM: True for eagle3): ask
+            raise DraftheadsError(f"'{d}/config.json' has no norm_before_residual; add the one the head was trained "
+                                  "with (true: the first layer's residual starts from the normed fused hidden state)")
+        norm_before_residual = bool(config["norm_before_residual"])
     else:
         layer, parallel, norm_before_residual = {"model_type": "llama", **config}, False, False
         ids = [i + 1 for i in (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []]
@@ -112,6 +115,25 @@ def _exportable(head_dir, target, layout: str, holds: str) -> PEagleDrafter:
     if layout not in family(head.family_name).exports and not (layout == "sglang" and head.family_name == "peagle"):
         raise DraftheadsError(f"'{head_dir}' is a {head.family_name} head; {holds}")
     return head
+
+
+def _check_engine_layers(head_dir, target, num_aux: int, engine: str) -> None:
+    """vLLM's and SGLang's EAGLE-3 fc reads three target layers, captured in one pass over the decoder layers: each
+    once, in ascending order, as the input of decoder layers 1..L-1 (layer 0, the embeddings: SGLang has no id for
+    it and vLLM versions differ; L, the last layer's output: never captured). Anything else fails to load or feeds
+    the fc other features than training did."""
+    ids, L = list(target.layer_ids), target.num_layers
+    if num_aux != 3:
+        raise DraftheadsError(f"'{head_dir}' fuses {num_aux} target layers; {engine}'s EAGLE-3 fc reads exactly 3 "
+                              "(train with three target.layer_ids)")
+    if ids != sorted(set(ids)):
+        raise DraftheadsError(f"'{head_dir}' reads target layers {ids}; {engine} captures each layer once, in "
+                              "ascending order, so its fc would get other features. Retrain with ascending, distinct "
+                              "target.layer_ids")
+    if not 1 <= ids[0] <= ids[-1] <= L - 1:
+        raise DraftheadsError(f"'{head_dir}' reads target layers {ids}; {engine} captures the input of decoder layers "
+                              f"1..{L - 1} only (not layer 0, the embeddings, nor {L}, the last layer's output). "
+                              f"Retrain with target.layer_ids >= 1 and <= {L - 1}")
 
 
 def _head_tensors(head: PEagleDrafter) -> dict:

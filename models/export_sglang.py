@@ -19,7 +19,7 @@ from pathlib import Path
 
 from models.checkpoint import head_from_state, read_weights
 from models.errors import DraftheadsError
-from models.export import _exportable, _head_tensors, _layer_config, _provenance, _summary
+from models.export import _check_engine_layers, _exportable, _head_tensors, _layer_config, _provenance, _summary
 from models.export_speculators import verifier_name
 from models.files import save_tensors
 from models.peagle import PEagleDrafter
@@ -46,13 +46,7 @@ def export_sglang(head_dir, target, out_dir, verifier_path: str | None = None) -
         raise DraftheadsError(f"'{head_dir}' was trained with norm_before_residual=True; SGLang's first draft layer "
                               "adds the un-normed fc output to the residual stream, so only norm_before_residual=False "
                               "heads export to SGLang (export_speculators keeps the flag for vLLM)")
-    if c["num_aux_layers"] != 3:
-        raise DraftheadsError(f"'{head_dir}' fuses {c['num_aux_layers']} target layers; SGLang's EAGLE-3 fc reads "
-                              "exactly 3 (train with three target.layer_ids)")
-    if min(target.layer_ids) < 1:
-        raise DraftheadsError(f"'{head_dir}' reads target layers {list(target.layer_ids)}; layer 0 (the embedding "
-                              "output) has no SGLang id, which captures the input of decoder layer id + 1. Retrain "
-                              "with target.layer_ids >= 1")
+    _check_engine_layers(head_dir, target, c["num_aux_layers"], "SGLang")
     own = [piece for piece in ("qk_norm", "own_embedding", "own_lm_head") if c.get(piece)]
     if own:
         raise DraftheadsError(f"'{head_dir}' has {own}; SGLang's LlamaForCausalLMEagle3 has plain Llama layers and the "

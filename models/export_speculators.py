@@ -26,7 +26,7 @@ from pathlib import Path
 
 from models.checkpoint import head_from_state, read_weights
 from models.errors import DraftheadsError
-from models.export import _exportable, _head_tensors, _layer_config, _provenance, _summary
+from models.export import _check_engine_layers, _exportable, _head_tensors, _layer_config, _provenance, _summary
 from models.files import save_tensors
 from models.peagle import PEagleDrafter
 from models.target import DEFAULT_TARGET
@@ -46,6 +46,7 @@ def export_speculators(head_dir, target, out_dir, verifier_path: str | None = No
     head = _exportable(head_dir, target, "speculators", "the speculators layout holds EAGLE-3 / P-EAGLE heads only "
                                                         "(draft.family=peagle or eagle3)")
     c = head.config
+    _check_engine_layers(head_dir, target, c["num_aux_layers"], "vLLM")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = _head_tensors(head)

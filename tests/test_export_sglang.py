@@ -10,6 +10,7 @@ from models.checkpoint import load_draft, save_draft
 from models.draft_vocab import DraftVocab
 from models.errors import DraftheadsError
 from models.export_sglang import export_sglang, import_sglang
+from models.export_speculators import export_speculators
 from models.peagle import DraftCache, peagle_for_target
 from models.target import Target, tiny_random_llama
 from tests.test_export import _randomise
@@ -97,18 +98,27 @@ def test_refuses_other_families(tiny_target, tmp_path, family):
         export_sglang(tmp_path / "h", tiny_target, tmp_path / "out")
 
 
-def test_refuses_embedding_layer_and_other_than_three_layers(tmp_path):
+def test_both_engines_refuse_layers_they_do_not_capture_as_trained(tmp_path):
     model, tok = tiny_random_llama(num_layers=6)
     reads_embedding = Target(model, tok, "tiny-random-llama", layer_ids=(0, 3, 5))
     _export(reads_embedding, tmp_path / "a")
-    with pytest.raises(DraftheadsError, match=r"\[0, 3, 5\].*target.layer_ids >= 1"):
+    with pytest.raises(DraftheadsError, match=r"\[0, 3, 5\].*target.layer_ids >= 1 and <= 5"):
         export_sglang(tmp_path / "a" / "head", reads_embedding, tmp_path / "out")
+    for ids, why in (((5, 1, 3), "ascending, distinct"), ((1, 3, 6), "<= 5")):  # order as given; 6: the last output
+        model, tok = tiny_random_llama(num_layers=6)
+        odd = Target(model, tok, "tiny-random-llama", layer_ids=ids)
+        _export(odd, tmp_path / str(ids))
+        for export in (export_sglang, export_speculators):
+            with pytest.raises(DraftheadsError, match=why):
+                export(tmp_path / str(ids) / "head", odd, tmp_path / "out")
 
     model, tok = tiny_random_llama(num_layers=6)
     four = Target(model, tok, "tiny-random-llama", layer_ids=(1, 2, 3, 5))
     _export(four, tmp_path / "b")
     with pytest.raises(DraftheadsError, match="fuses 4 target layers; SGLang's EAGLE-3 fc reads exactly 3"):
         export_sglang(tmp_path / "b" / "head", four, tmp_path / "out")
+    with pytest.raises(DraftheadsError, match="fuses 4 target layers; vLLM's EAGLE-3 fc reads exactly 3"):
+        export_speculators(tmp_path / "b" / "head", four, tmp_path / "out")
 
 
 def test_import_checks_layer_ids(tiny_target, tmp_path):

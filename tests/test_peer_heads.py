@@ -260,6 +260,13 @@ def test_foreign_and_damaged_directories_fail_clearly(tiny_target, tmp_path):
         with pytest.raises(DraftheadsError, match=message):
             load_draft(tmp_path / name, tiny_target)
 
+    write_peer_head(tmp_path / "unsaid")
+    config = json.loads((tmp_path / "unsaid" / "config.json").read_text())
+    del config["norm_before_residual"]
+    (tmp_path / "unsaid" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DraftheadsError, match="has no norm_before_residual; add the one the head was trained with"):
+        load_draft(tmp_path / "unsaid", tiny_target)
+
     tensors = write_peer_head(tmp_path / "vocab")
     layer = json.loads((tmp_path / "vocab" / "config.json").read_text())["transformer_layer_config"]
     _damage(tmp_path / "vocab", transformer_layer_config={**layer, "vocab_size": 300})
