@@ -118,18 +118,14 @@ def _exportable(head_dir, target, layout: str, holds: str) -> PEagleDrafter:
 
 
 def _check_engine_layers(head_dir, target, num_aux: int, engine: str) -> None:
-    """vLLM's and SGLang's EAGLE-3 fc reads three target layers, captured in one pass over the decoder layers: each
-    once, in ascending order, as the input of decoder layers 1..L-1 (layer 0, the embeddings: SGLang has no id for
-    it and vLLM versions differ; L, the last layer's output: never captured). Anything else fails to load or feeds
-    the fc other features than training did."""
+    """vLLM's and SGLang's EAGLE-3 fc reads three target layers, captured in one pass over the decoder layers (each
+    once, ascending: models.target refuses other orders) as the input of decoder layers 1..L-1 (layer 0, the
+    embeddings: SGLang has no id for it and vLLM versions differ; L, the last layer's output: never captured).
+    Anything else fails to load or feeds the fc other features than training did."""
     ids, L = list(target.layer_ids), target.num_layers
     if num_aux != 3:
         raise DraftheadsError(f"'{head_dir}' fuses {num_aux} target layers; {engine}'s EAGLE-3 fc reads exactly 3 "
                               "(train with three target.layer_ids)")
-    if ids != sorted(set(ids)):
-        raise DraftheadsError(f"'{head_dir}' reads target layers {ids}; {engine} captures each layer once, in "
-                              "ascending order, so its fc would get other features. Retrain with ascending, distinct "
-                              "target.layer_ids")
     if not 1 <= ids[0] <= ids[-1] <= L - 1:
         raise DraftheadsError(f"'{head_dir}' reads target layers {ids}; {engine} captures the input of decoder layers "
                               f"1..{L - 1} only (not layer 0, the embeddings, nor {L}, the last layer's output). "

@@ -98,6 +98,9 @@ class Target:
                 f"target.layer_ids {list(self.layer_ids)} has {bad} outside 0..{self.num_layers} "
                 f"for '{name}' ({self.num_layers} layers); pick ids in that range"
             )
+        if list(self.layer_ids) != sorted(set(self.layer_ids)):  # serving engines capture each layer once, in order
+            raise DraftheadsError(f"target.layer_ids {list(self.layer_ids)} must be ascending and distinct (vLLM and "
+                                  f"SGLang feed the head its layers in that order); use {sorted(set(self.layer_ids))}")
         self._captured: dict[int, Tensor] = {}
         self._install_hooks()
 
