@@ -23,5 +23,13 @@ class TrainableHead(nn.Module):
     parameter gathered while the loss reads it (a draft-vocab LM head, the Markov bias, the confidence head)."""
 
     def forward(self, batch: dict, plan, objective=None):
-        rows = self.train_forward(batch, plan)
+        rows = self.train_forward(self.features_in_own_dtype(batch), plan)
         return rows if objective is None else objective(self, rows)
+
+    def features_in_own_dtype(self, batch: dict) -> dict:
+        """The batch with its target features in the head's parameter dtype when no autocast does it: DeepSpeed's
+        bf16 casts the head itself and turns autocast off, while features are decoded as float32."""
+        dtype = next(self.parameters()).dtype
+        if torch.is_autocast_enabled(batch["aux_hidden"].device.type) or batch["aux_hidden"].dtype == dtype:
+            return batch
+        return {**batch, **{k: batch[k].to(dtype) for k in ("aux_hidden", "final_hidden") if k in batch}}

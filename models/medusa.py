@@ -76,6 +76,7 @@ class MedusaHeads(TrainableHead):
         """hidden [N, H] (after the head's ResBlocks), depth [N] (1..K) -> logits [N, V_draft]."""
         if self.share_lm_head:
             lm = self._shared["lm_head"]
+            hidden = hidden.to(lm.weight.dtype)  # the target's dtype may not be the head's
             if not hasattr(self, "d2t"):
                 return lm(hidden)
             ids = self.draft_ids

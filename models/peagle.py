@@ -276,12 +276,14 @@ class PEagleDrafter(TrainableHead):
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t if hasattr(self, "d2t") else None
 
     def embed(self, ids: Tensor) -> Tensor:
-        return self.embed_tokens(ids) if hasattr(self, "embed_tokens") else self._shared["embed"](ids)
+        """Token embeddings (its own, or the target's) in the head's dtype."""
+        embeds = self.embed_tokens(ids) if hasattr(self, "embed_tokens") else self._shared["embed"](ids)
+        return embeds.to(self.fc.weight.dtype)
 
     def logits(self, normed: Tensor) -> Tensor:
         """[..., V_draft] (V_draft = V for a full-vocabulary head, its own LM head or the target's)."""
         head = self.lm_head if hasattr(self, "lm_head") else self._shared["lm_head"]
-        return head(normed)
+        return head(normed.to(head.weight.dtype))  # the target's LM head may be in another dtype than the head
 
     def full_vocab_logits(self, logits: Tensor) -> Tensor:
         """Draft-vocab logits [..., N] -> target-vocab logits [..., V] (-inf outside the draft vocab)."""

@@ -658,3 +658,25 @@ def test_steps_raised_train_on_steps_lowered_or_another_keep_best_criterion_are_
     train_draft(rl(tmp_path / "rl", 4), peaked_target, feats, tmp_path / "rl")
     with pytest.raises(DraftheadsError, match=r"checkpoints_rl/step_4' is at step 4, .*\(train.rl_steps=2\)"):
         train_draft(rl(tmp_path / "rl", 2), peaked_target, feats, tmp_path / "rl")
+
+
+@pytest.mark.parametrize("target_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("family", ["peagle", "eagle3", "medusa", "dspark", "dflash"])
+def test_a_bf16_head_without_autocast_trains_on_float32_features(tiny_target, family, target_dtype):
+    """DeepSpeed's bf16 casts the head itself and turns autocast off, while features are decoded as float32 and the
+    target's embedding / LM head keep the target's dtype: the head's first matmul failed on the dtype mismatch."""
+    import copy
+
+    from models.checkpoint import build_draft
+    from models.target import Target
+    from train.trainer import soft_label_loss
+
+    feats = tiny_features(tiny_target, n=2)
+    target = tiny_target if target_dtype == torch.float32 else \
+        Target(copy.deepcopy(tiny_target.model).to(target_dtype), tiny_target.tokenizer, tiny_target.name)
+    head = build_draft(family, target, 3).to(torch.bfloat16)
+    tc = OmegaConf.structured(Config).train
+    loss, _ = soft_label_loss(target, tc, 3, family, "cpu")(head, feats, 0, 1.0)
+    loss.backward()
+    grads = [p.grad for p in head.parameters() if p.requires_grad]
+    assert torch.isfinite(loss) and grads and all(g is not None and g.dtype == torch.bfloat16 for g in grads)
