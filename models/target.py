@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import util as importlib_util
 from pathlib import Path
@@ -218,6 +219,30 @@ def load_target(
     torch_dtype = _parse_dtype(dtype)
     if parts not in ("all", "head_inputs"):
         raise DraftheadsError(f"target parts '{parts}' is not 'all' or 'head_inputs'")
+    with _outside_zero3_init():
+        return _load_target(name, path, layer_ids, torch_dtype, device, parts, shard)
+
+
+@contextmanager
+def _outside_zero3_init():
+    """The target is built as a plain (or FSDP2-sharded) module even under accelerate=zero3: accelerate registers its
+    DeepSpeed config with transformers, whose from_config / from_pretrained then build the model under ZeRO-3's
+    zero.Init, partitioning the weights the target's own forward reads (seen: 'Cannot copy out of meta tensor' on the
+    sharded and head-input loads, an empty embedding on the whole one). ZeRO-3 is for the head."""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:
+        yield
+        return
+    registered = hf_deepspeed._hf_deepspeed_config_weak_ref  # a weakref or None; restored as it was
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
+
+
+def _load_target(name, path, layer_ids, torch_dtype, device, parts, shard) -> Target:
     if name == TINY_TARGET and path is None:  # built in memory: tiny, so load whole, then keep what is asked for
         model, tok = tiny_random_llama()
         model = model.to(device=device, dtype=torch_dtype)

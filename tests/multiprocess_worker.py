@@ -67,13 +67,14 @@ def main(out: str, grad_accum: int, strategy: str, online: bool) -> None:
     Path(out, f"batches_rank{rank}.json").write_text(json.dumps(seen))
 
 
-def sharded_target(model_dir: str, out: str) -> None:
-    """`target MODEL_DIR OUT`: the target loaded whole, FSDP2-sharded from its files, and as head inputs only; writes
-    how far the sharded forward is from the whole one and what each rank holds."""
+def sharded_target(model_dir: str, out: str, strategy: str) -> None:
+    """`target MODEL_DIR OUT STRATEGY`: the target loaded whole, FSDP2-sharded from its files, and as head inputs
+    only, under the Accelerator of accelerate.strategy; writes how far the sharded forward is from the whole one and
+    what each rank holds."""
     from models.target import load_target
 
     cfg = OmegaConf.structured(Config)
-    cfg.accelerate.strategy = "ddp"
+    cfg.accelerate.strategy = strategy
     make_accelerator(cfg.accelerate, cfg.train, "cpu")
 
     whole, sharded = load_target("x", model_dir), load_target("x", model_dir, shard=True)
@@ -91,6 +92,6 @@ def sharded_target(model_dir: str, out: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "target":
-        sharded_target(sys.argv[2], sys.argv[3])
+        sharded_target(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
         main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:] == ["online"])

@@ -132,13 +132,17 @@ def test_launch_kill_9_and_relaunch_continue_the_curve_with_one_copy_of_every_ou
         assert (run / "run_report.json").is_file() and (run / "resolved_config.yaml").is_file()
 
 
-def test_a_sharded_target_reads_its_rows_from_the_files_and_computes_what_the_whole_one_does(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_a_sharded_target_reads_its_rows_from_the_files_and_computes_what_the_whole_one_does(tmp_path, strategy):
+    """Under zero3 too: transformers would otherwise build the target inside ZeRO-3's zero.Init (accelerate registers
+    its DeepSpeed config), which failed every load from a directory."""
     from models.target import tiny_random_llama
 
     model, tok = tiny_random_llama(num_layers=4)
     model.save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
-    r = subprocess.run([*TORCHRUN, "tests/multiprocess_worker.py", "target", str(tmp_path / "model"), str(tmp_path)],
+    r = subprocess.run([*TORCHRUN, "tests/multiprocess_worker.py", "target", str(tmp_path / "model"), str(tmp_path),
+                        strategy],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"target_rank{i}.json").read_text()) for i in (0, 1)]
