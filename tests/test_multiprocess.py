@@ -3,6 +3,7 @@ loss curve, the data stage run once, one copy of every output, and kill -9 of th
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -227,6 +228,18 @@ def test_the_accelerate_group_is_the_one_source_of_strategy_and_launch():
                      "accelerate.main_process_ip=10.0.0.1").accelerate
     cmd = torchrun_command(multi, [], "RUN")
     assert {"--nproc_per_node=8", "--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1"} <= set(cmd)
+
+
+def test_a_worker_error_ends_the_launch_with_its_code_and_one_line_after_it(tmp_path):
+    """Offline features cannot be extracted by a sharded target (ranks would wait on each other's gathers until the
+    timeout): refused before any work, in each rank; the launcher exits with the worker's code 2 and no traceback."""
+    r = subprocess.run([sys.executable, "-m", "train.distill", "+experiment=smoke", f"output_dir={tmp_path}",
+                        "accelerate=zero3", "accelerate.num_processes=2", "data.regen_backend=openai"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "error: data.features=offline cannot be extracted with a sharded target (accelerate=zero3" in r.stderr
+    assert re.fullmatch(r"\[draftheads\] rank [01] of the run exited with code 2 \(its error is above\)",
+                        r.stderr.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("overrides,message", [

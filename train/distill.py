@@ -87,6 +87,13 @@ def run(cfg: DictConfig) -> dict:
             raise DraftheadsError("the built-in runtime cannot regenerate with a sharded target; set "
                                   "data.regen_backend=openai (a vLLM / SGLang server at data.regen_server) or prepare "
                                   "the data with accelerate=ddp first")
+        if sharded and d.features == "offline":  # ranks extract blocks of different sizes; each forward is collective
+            raise DraftheadsError("data.features=offline cannot be extracted with a sharded target (accelerate="
+                                  f"{cfg.accelerate.strategy}, {world} processes): ranks extract blocks of different "
+                                  "sizes and every forward of a sharded target gathers over all of them, so they "
+                                  "would wait on each other until the timeout. Set data.features=online (the target "
+                                  "runs sharded in each step), or extract them first with accelerate=ddp on devices "
+                                  "that hold the whole target, then rerun")
         target = load()
         report["data"] = prepare_data(target, data_dir, d, cfg.train.seed, workers, regenerated, weights)
     elif main:

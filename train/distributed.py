@@ -56,7 +56,7 @@ def check_strategy(ac, device: str) -> None:
 def torchrun_command(ac, argv: list[str], run_dir: str) -> list[str]:
     """The torchrun command that starts this run's worker processes on this machine, writing no Hydra files of their
     own (they share the launching process's run directory `run_dir`)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ac.num_processes}"]
+    cmd = [sys.executable, "-m", "train.distributed", f"--nproc_per_node={ac.num_processes}"]  # torchrun's main
     if ac.num_machines == 1:
         cmd.append("--standalone")  # a free local port: two runs on one machine do not collide
     else:
@@ -76,6 +76,21 @@ def relaunch(ac, argv: list[str], run_dir: str, device: str) -> None:
     print(f"[draftheads] {ac.num_processes} processes x {ac.num_machines} machine(s), strategy {ac.strategy}: "
           + " ".join(cmd), flush=True)
     os.execv(sys.executable, cmd)
+
+
+def run_workers(args: list[str]) -> None:
+    """torchrun over `args`. A failed worker ends the launcher with that worker's exit code and one line pointing at
+    the worker's own error, instead of torchrun's traceback after it (a config error then reads as one)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    try:
+        main(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()  # the root cause; the others were stopped after it
+        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # killed by a signal: 128 + it
+        print(f"[draftheads] rank {rank} of the run exited with code {code} (its error is above)", file=sys.stderr)
+        sys.exit(code)
 
 
 def die_with_launcher() -> None:
@@ -200,3 +215,7 @@ def check_extension_locks(root: str | None = None) -> None:
         if minutes > STALE_LOCK_MINUTES:
             raise DraftheadsError(f"'{lock}' is {minutes:.0f} min old: a DeepSpeed op build was killed and every "
                                   f"run would wait on it forever. If no other build is running, delete it and rerun")
+
+
+if __name__ == "__main__":  # the launcher train.distill execs (torchrun_command)
+    run_workers(sys.argv[1:])
