@@ -187,7 +187,9 @@ def plan(cfg) -> dict:
         "target": cfg.target.name, "head": f"{cfg.draft.family} K={cfg.draft.k}, {s.head_layers} layer(s)",
         "params": {"head": s.head_params, "target": s.target_params, "frozen_read_by_head": s.frozen_params},
         "feature_bytes_per_token": feature_bytes,
-        "data": {"max_tokens": max_tokens, "offline_bytes": max_tokens * feature_bytes, "online_bytes": 0},
+        "data": {"max_tokens": max_tokens, "offline_bytes": max_tokens * feature_bytes, "online_bytes": 0,
+                 # offline features are made by the whole target on each device (a sharded one cannot extract them)
+                 "extraction_target_gib": round(2 * s.target_params / GIB, 1)},
         "tokens_per_optimizer_step": tc.batch_size * d.max_length * tc.grad_accum * world,
         # forward + backward over c head rows per token; online adds one no-grad forward of the whole target
         "gflop_per_token": {"head": round(6 * s.head_params * rows_per_token(cfg) / 1e9, 1),
@@ -222,5 +224,8 @@ def print_plan(cfg) -> dict:
     for mode in ("offline", "online"):
         fits = [f"{r['gpus']} {r['strategy']}" for r in p["table"] if r[f"{mode}_fits"]]
         print(f"  {mode}: {'fits on ' + ', '.join(fits) if fits else 'DOES NOT FIT on any of these layouts'}")
+    print(f"  offline rows train from features made first by the whole target on each device "
+          f"({p['data']['extraction_target_gib']} GiB of bf16 weights; a sharded target cannot extract them): "
+          "where no device holds it, train online")
     print(json.dumps(p))
     return p
