@@ -45,12 +45,22 @@ step() {  # step NAME SECONDS CMD...: run with a timeout, log, keep the last JSO
 
 step env 30 $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, \
 transformers.__version__, torch.cuda.get_device_name(0))"
-# training reads Hydra's schemas: install hydra-core / omegaconf from a wheel directory when the image lacks them
-# ($WHEELS, or shared/wheels inside the checkout where the machine provides one)
+# training reads Hydra's schemas: when the image lacks them, hydra-core / omegaconf come from a wheel directory
+# ($WHEELS, else shared/wheels or ../shared/wheels where the machine provides one) and antlr4 (an sdist only, which
+# pip cannot build without setuptools) from its unpacked source on PYTHONPATH. The deps step reports the outcome.
 WHEELS=${WHEELS:-}
-[ -z "$WHEELS" ] && [ -d shared/wheels ] && WHEELS=shared/wheels
-$PY -c "import hydra" 2>/dev/null || { [ -n "$WHEELS" ] && $PY -m pip install -q --no-index --find-links "$WHEELS" \
-  hydra-core omegaconf > "$OUT/deps.log" 2>&1; }
+for w in shared/wheels ../shared/wheels; do [ -z "$WHEELS" ] && [ -d "$w" ] && WHEELS=$w; done
+if ! $PY -c "import hydra" 2>/dev/null && [ -n "$WHEELS" ]; then
+  antlr=$(ls "$WHEELS"/antlr4-python3-runtime-*.tar.gz 2>/dev/null | head -1)
+  if ! $PY -c "import antlr4" 2>/dev/null && [ -n "$antlr" ]; then
+    mkdir -p "$OUT/deps" && tar xzf "$antlr" -C "$OUT/deps"
+    src=$(ls -d "$OUT"/deps/antlr4-python3-runtime-*/src | head -1)
+    export PYTHONPATH="$PYTHONPATH:$(cd "$src" && pwd)"
+  fi
+  $PY -m pip install -q --no-index --no-deps --find-links "$WHEELS" hydra-core omegaconf > "$OUT/deps.log" 2>&1
+fi
+step deps 30 $PY -c "import json, hydra, omegaconf, antlr4; print(json.dumps({'hydra': hydra.__version__, \
+'omegaconf': omegaconf.__version__}))"
 # kernels vs references on the GPU, and the CPU test suite of the runtime under this image's torch
 step kernels 40 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py
 step unit 50 $PY -m pytest -q -p no:cacheprovider -x tests/test_runtime.py tests/test_tree.py tests/test_schedulers.py
