@@ -38,6 +38,7 @@ from typing import Iterable
 import numpy as np
 
 from models.errors import DraftheadsError
+from models.files import write_whole
 
 try:  # the compiled lookups (setup.py builds them when a C compiler is there); the numpy code below is their reference
     from data._draft_lookup import Table as _CompiledTable
@@ -443,38 +444,42 @@ def write_file(out: Path, header: dict, chunks: Iterable[dict], n_keys: int, n_e
         if len(raw) == hlen:
             break
         hlen = len(raw)
-    with open(out, "wb") as f:
-        f.truncate(header["file_bytes"])
-        at = {name: sec[0] for name, sec in sections.items()}  # where each section's next bytes go
 
-        def put(name, arr):
-            a = np.ascontiguousarray(arr, dtype=np.dtype(sections[name][1]))
-            f.seek(at[name])
-            a.tofile(f)
-            at[name] += a.nbytes
+    def write(path: Path) -> None:  # under a temporary name, renamed into place: a reader of the old file keeps it
+        with open(path, "wb") as f:
+            f.truncate(header["file_bytes"])
+            at = {name: sec[0] for name, sec in sections.items()}  # where each section's next bytes go
 
-        put("key_offsets", np.zeros(1))
-        written = 0  # entries so far
-        for c in chunks:
-            for name, field in (("keys", "keys"), ("key_orders", "orders"), ("key_totals", "totals"),
-                                ("entry_tokens", "tokens"), ("entry_counts", "counts")):
-                put(name, c[field])
-            put("key_offsets", written + np.cumsum(c["n_entries"], dtype=np.int64))
-            written += int(np.sum(c["n_entries"], dtype=np.int64))
-        if at["keys"] != sections["keys"][0] + 8 * K or written != E:
-            raise RuntimeError(f"draft file writer got {(at['keys'] - sections['keys'][0]) // 8} keys and {written} "
-                               f"entries, expected {K} and {E}")
-        for a in range(0, N, 1 << 24):
-            put("corpus_tokens", tokens[a: a + (1 << 24)])
-        put("doc_offsets", doc_offsets)
-        put("val_tokens", vtokens)
-        put("val_offsets", val_offsets)
-    with open(out, "r+b") as f:
-        mm = mmap.mmap(f.fileno(), 0)
-        body_crc = _crc_range(mm, header["body_start"], header["file_bytes"])
-        mm.close()
-        f.seek(0)
-        f.write(PREFIX.pack(MAGIC, VERSION, len(raw), zlib.crc32(raw), body_crc) + raw)
+            def put(name, arr):
+                a = np.ascontiguousarray(arr, dtype=np.dtype(sections[name][1]))
+                f.seek(at[name])
+                a.tofile(f)
+                at[name] += a.nbytes
+
+            put("key_offsets", np.zeros(1))
+            written = 0  # entries so far
+            for c in chunks:
+                for name, field in (("keys", "keys"), ("key_orders", "orders"), ("key_totals", "totals"),
+                                    ("entry_tokens", "tokens"), ("entry_counts", "counts")):
+                    put(name, c[field])
+                put("key_offsets", written + np.cumsum(c["n_entries"], dtype=np.int64))
+                written += int(np.sum(c["n_entries"], dtype=np.int64))
+            if at["keys"] != sections["keys"][0] + 8 * K or written != E:
+                raise RuntimeError(f"draft file writer got {(at['keys'] - sections['keys'][0]) // 8} keys and {written} "
+                                   f"entries, expected {K} and {E}")
+            for a in range(0, N, 1 << 24):
+                put("corpus_tokens", tokens[a: a + (1 << 24)])
+            put("doc_offsets", doc_offsets)
+            put("val_tokens", vtokens)
+            put("val_offsets", val_offsets)
+        with open(path, "r+b") as f:
+            mm = mmap.mmap(f.fileno(), 0)
+            body_crc = _crc_range(mm, header["body_start"], header["file_bytes"])
+            mm.close()
+            f.seek(0)
+            f.write(PREFIX.pack(MAGIC, VERSION, len(raw), zlib.crc32(raw), body_crc) + raw)
+
+    write_whole(Path(out), write)
 
 
 def _align(n: int) -> int:

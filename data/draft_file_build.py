@@ -59,6 +59,8 @@ from models.errors import DraftheadsError, cli
 from models.files import check_writable
 
 POOL_CHARS = 32 << 20  # corpora larger than this are tokenized by `threads` worker processes
+MAX_ORDER = 32  # the compiled lookup hashes at most 32 context tokens (data/_draft_lookup.c)
+MAX_WINDOW = 255  # counting stores the tokens two sorted windows share (order + continuation) in a uint8
 THRESHOLDS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 
 
@@ -159,6 +161,9 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
     if not orders or orders[0] < 1 or continuations < 1 or max_len < 1 or min_count < 1:
         raise DraftheadsError(f"draft file build needs orders >= 1, continuations >= 1, max-len >= 1, min-count >= 1; "
                               f"got orders={orders}, continuations={continuations}, max-len={max_len}, min-count={min_count}")
+    if orders[-1] > MAX_ORDER or orders[-1] + max_len > MAX_WINDOW:  # lookups hash <= 32 tokens; lcp is a uint8
+        raise DraftheadsError(f"draft file build takes orders <= {MAX_ORDER} and order + max-len <= {MAX_WINDOW}; got "
+                              f"orders={orders}, max-len={max_len}")
     threads = threads or len(os.sched_getaffinity(0))
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))  # read when the tokenizer's pool starts
     progress = sys.stderr.isatty() if progress is None else progress

@@ -21,7 +21,7 @@ def _temporary_name(path: Path) -> Path:
     return path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
-def _written_whole(path: Path, write: Callable[[Path], None]) -> None:
+def write_whole(path: Path, write: Callable[[Path], None]) -> None:
     """write(tmp), then tmp renamed to `path`; a failed write (a full disk) removes its partial temporary file, so it
     holds none of the space the user frees to rerun."""
     tmp = _temporary_name(path)
@@ -34,7 +34,7 @@ def _written_whole(path: Path, write: Callable[[Path], None]) -> None:
 
 
 def write_atomic(path: str | Path, data: bytes | str) -> None:
-    _written_whole(Path(path), lambda tmp: tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data))
+    write_whole(Path(path), lambda tmp: tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data))
 
 
 def save_tensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> None:
@@ -49,7 +49,7 @@ def save_tensors(path: str | Path, tensors: dict, metadata: dict | None = None) 
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
 
-    _written_whole(Path(path), write)
+    write_whole(Path(path), write)
 
 
 def build_directory_once(out: str | Path, build: Callable[[Path], None], required: tuple[str, ...] = (),

@@ -1,6 +1,7 @@
 """Draft file format, builder, lookup, merge and refusals, on tiny data with the byte tokenizer."""
 
 import json
+import re
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -333,6 +334,14 @@ def test_empty_corpus_is_a_clear_error(tmp_path):
         build_tiny([tmp_path / "empty.jsonl"], tmp_path / "x.dfl")
 
 
+@pytest.mark.parametrize("kw,bad", [({"orders": (2, 33)}, "orders=(2, 33)"), ({"max_len": 252}, "max-len=252")])
+def test_windows_the_counter_cannot_hold_are_refused(tmp_path, kw, bad):
+    """order + max-len above 255 wrapped the uint8 count of shared tokens (a 300-token continuation came back as
+    198); orders above 32 built, then failed at the first lookup."""
+    with pytest.raises(DraftheadsError, match=rf"orders <= 32 and order \+ max-len <= 255; got .*{re.escape(bad)}"):
+        build_tiny([write_corpus(tmp_path, "c", 2)], tmp_path / "x.dfl", **kw)
+
+
 def test_no_corpus_file_is_smaller_and_refuses_merge(tmp_path):
     corpus = write_corpus(tmp_path, "c", 5)
     build_tiny([corpus], tmp_path / "full.dfl")
@@ -383,3 +392,18 @@ def test_module_entry_point_runs_the_cli(tmp_path):
     run = subprocess.run([sys.executable, "-m", "data.draft_file", "stats", str(tmp_path / "missing.dfl")],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "does not exist" in run.stderr
+
+
+def test_a_rebuild_in_place_leaves_open_readers_on_the_old_file(tmp_path):
+    """The file is written under a temporary name and renamed: a process serving from it keeps answering from the
+    old table (written in place, its mapping read the new bytes: misses, and a bus error once the file shrank)."""
+    out = tmp_path / "d.dfl"
+    build_tiny([write_corpus(tmp_path, "big", 10)], out)
+    old = DraftFile(out)
+    contexts = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [-1, -1, 9, 10]])
+    before = old.lookup_batch(contexts)
+    assert (before.order > 0).any()
+    build_tiny([write_corpus(tmp_path, "small", 2, seed=1)], out, min_count=10_000)  # keyless, smaller
+    after = old.lookup_batch(contexts)
+    assert np.array_equal(after.tokens, before.tokens) and np.array_equal(after.order, before.order)
+    assert DraftFile(out).n_keys == 0 and [p.name for p in tmp_path.iterdir() if p.is_file()] == ["d.dfl"]
