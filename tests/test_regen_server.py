@@ -98,3 +98,20 @@ def test_vllm_server_regenerates_what_the_runtime_regenerates(smollm2, tmp_path)
     same = sum(ours[i] == theirs[i] for i in ours)
     print(f"vLLM == runtime on {same} of {len(ours)} records")
     assert same >= len(ours) - 2, {i: (ours[i][:80], theirs[i][:80]) for i in ours if ours[i] != theirs[i]}
+
+
+def test_data_a_server_regenerates_for_online_training_loads_no_decoder_layers(tmp_path, fake_server, monkeypatch):
+    """The 70B recipe prepares its data beside a vLLM server on the same GPUs: the run needs the target's tokenizer,
+    not its layers (it loaded all of them, sharded, where the server left room for the embedding and LM head only)."""
+    import models.target
+    from tests.test_config import _compose
+    from train.distill import run
+
+    url, requests = fake_server
+    loaded, real = [], models.target.load_target
+    monkeypatch.setattr(models.target, "load_target", lambda *a, **kw: loaded.append(kw.get("parts")) or real(*a, **kw))
+    cfg = _compose(["+experiment=smoke", f"output_dir={tmp_path}", "data.regen_backend=openai",
+                    f"data.regen_server={url}", "data.features=online", "data.max_records=4", "train.stages=[]",
+                    "eval.limit=0"])
+    report = run(cfg)
+    assert loaded == ["head_inputs"] and requests and report["data"]["tokenize"]["sequences"] > 0

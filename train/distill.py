@@ -41,8 +41,9 @@ def run(cfg: DictConfig) -> dict:
     """One run in this process (one rank of N when launched by torchrun): the main process writes every file.
 
     The target is loaded onto this rank's device only after the process group exists, and only as much of it as the
-    work needs: its embedding, norm and LM head to train from offline features; all of it for the data stage, online
-    features, RL and evaluation, with decoder layers FSDP2-sharded over the ranks under accelerate=fsdp / zero3. The data
+    work needs: its embedding, norm and LM head to train from offline features or to prepare data it does not run on
+    (a server regenerates, features are online); all of it to regenerate or extract here, online features, RL and
+    evaluation, with decoder layers FSDP2-sharded over the ranks under accelerate=fsdp / zero3. The data
     stage and the τ table split their work over the processes."""
     from accelerate.utils import gather_object
 
@@ -94,7 +95,8 @@ def run(cfg: DictConfig) -> dict:
                                   "would wait on each other until the timeout. Set data.features=online (the target "
                                   "runs sharded in each step), or extract them first with accelerate=ddp on devices "
                                   "that hold the whole target, then rerun")
-        target = load()
+        if d.features == "offline" or (d.regenerate and d.regen_backend == "runtime"):
+            target = load()  # the target runs here; a server's regeneration and online data need its tokenizer only
         report["data"] = prepare_data(target, data_dir, d, cfg.train.seed, workers, regenerated, weights)
     elif main:
         print(f"[draftheads] data: ready in {data_dir} (same settings: {report['data']['settings']['sha256']})")
