@@ -680,3 +680,13 @@ def test_a_bf16_head_without_autocast_trains_on_float32_features(tiny_target, fa
     loss.backward()
     grads = [p.grad for p in head.parameters() if p.requires_grad]
     assert torch.isfinite(loss) and grads and all(g is not None and g.dtype == torch.bfloat16 for g in grads)
+
+
+def test_rl_on_a_sharded_target_is_refused_before_stage_1_trains(tmp_path):
+    from models.target import Target, tiny_random_llama
+    from train.trainer import train_draft
+
+    sharded = Target(*tiny_random_llama(num_layers=4), "tiny-random-llama", sharded=True)  # the flag is what RL reads
+    with pytest.raises(DraftheadsError, match="RL scores drafts with the whole target on each rank"):
+        train_draft(make_cfg(tmp_path, stages=["soft_label", "rl"]), sharded, [], tmp_path)
+    assert not (tmp_path / "checkpoints").exists()

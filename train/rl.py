@@ -54,6 +54,12 @@ BLOCK_SEED = 2_000_003
 HOLDOUT_SEED = 1_000_000_007  # rl_validation_fn's draws: offset far past any training micro-step
 
 
+def check_rl_target(target) -> None:
+    if target.sharded:
+        raise DraftheadsError("RL scores drafts with the whole target on each rank; a sharded target (accelerate=fsdp "
+                              "or zero3 with several processes) is not supported there yet: use accelerate=ddp or zero2")
+
+
 def frozen_copy(head, target):
     """The stage-1 reference: same class and weights, no gradients (shared target modules re-attached, not copied)."""
     ref = family(head.family_name).head(**head.config)
@@ -360,9 +366,7 @@ def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, s
     logs, at step 0, every train.eval_every steps and at the end, stage 1's val_tau_est and the RL objective itself
     (rl_validation_fn)."""
     tc, k = cfg.train, head.k
-    if target.sharded:
-        raise DraftheadsError("RL scores drafts with the whole target on each rank; a sharded target (accelerate=fsdp "
-                              "or zero3 with several processes) is not supported there yet: use accelerate=ddp or zero2")
+    check_rl_target(target)
     if not tc.rl_steps:
         return True, ({n: v.detach().cpu() for n, v in head.state_dict().items()} if accelerator.is_main_process
                       else None), {}

@@ -437,6 +437,10 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     bad = [s for s in tc.stages if s not in STAGES]
     if bad or not tc.stages:
         raise DraftheadsError(f"train.stages {list(tc.stages)} must be a non-empty list of {list(STAGES)}")
+    if "rl" in tc.stages:  # before stage 1's hours, not after them
+        from train.rl import check_rl_target
+
+        check_rl_target(target)
     accelerator = accelerator or make_accelerator(cfg.accelerate, tc, target.device.type)
     keep_freed_memory()  # the loss's large temporaries reuse heap memory (inference/host_memory.py)
     main = accelerator.is_main_process
