@@ -299,6 +299,13 @@ class OnlineFeatures:
                  "target_argmax": argmax.long()} for it, (aux, final, argmax) in zip(items, states)]
 
 
+def require_hidden(features, directory, tool: str) -> None:
+    """Tools that read stored hidden states refuse a tokens-only directory (data.features=online) by name."""
+    if not getattr(features, "hidden", True):
+        raise DraftheadsError(f"'{directory}' holds tokens only (a data.features=online run); {tool} reads stored "
+                              "hidden states: extract them with data.features=offline (another output_dir), same data")
+
+
 class FeatureDataset:
     """Sequences of a feature directory: ds[i] -> dict(input_ids [T] long, loss_mask [T] bool and, with hidden states,
     aux_hidden [T, nH] float32, final_hidden [T, H] float32). Rows are read through memory maps (only sequence i's

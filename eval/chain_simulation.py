@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=64, help="tokens per answer, as eval.acceptance --max-new")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    from data.features import FeatureDataset
+    from data.features import FeatureDataset, require_hidden
     from models.checkpoint import load_draft
     from models.target import load_target
 
@@ -62,6 +62,7 @@ def main(argv=None) -> int:
         holdout = int(OmegaConf.load(args.run / "resolved_config.yaml").train.holdout_sequences)
     torch.set_num_threads(args.threads)
     features = FeatureDataset(features_dir)
+    require_hidden(features, features_dir, "the chain simulation")
     if not 0 < holdout <= len(features):
         raise DraftheadsError(f"--holdout={holdout} must be in [1, {len(features)}] (a run with "
                               "train.holdout_sequences=0 held nothing out: pass --holdout N for its last N sequences)")

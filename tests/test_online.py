@@ -37,3 +37,7 @@ def test_online_trains_exactly_as_offline_with_tokens_only_on_disk(tmp_path, dty
     assert [r["tau"] for r in on["eval"]] == [r["tau"] for r in off["eval"]]
     per_token = {run["data"]["features"]["bytes_per_token"] for run in (off, on)}
     assert min(per_token) < 12 < 100 < max(per_token)  # online: ids + masks (+ shard header); offline: hidden states
+    sim = subprocess.run([sys.executable, "-m", "eval.chain_simulation", str(tmp_path / "on"), "--holdout", "2",
+                          "--k", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert sim.returncode != 0 and "Traceback" not in sim.stderr, sim.stderr[-2000:]
+    assert "holds tokens only (a data.features=online run); the chain simulation reads stored hidden states" in sim.stderr

@@ -115,12 +115,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from data.features import require_hidden
     from models.checkpoint import load_draft, save_draft, target_for_head
     from train.trainer import open_features, split_holdout
 
     target = target_for_head(args.head, args.target_path)
     head = load_draft(args.head, target)
     features = open_features(args.features, target)
+    require_hidden(features, args.features, "calibration")
     if args.holdout:
         features = split_holdout(features, args.holdout)[1]
     report = calibrate(head, target, features, args.temperature, args.anchors, limit=args.limit)
