@@ -60,7 +60,8 @@ def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out
     if manifest is not None:
         target.check_fingerprint(manifest["fingerprint"], f"feature directory '{out}'", keys=(
             "vocab_size", "hidden_size", "tokenizer_hash", "layer_ids"))
-        if manifest.get("hidden", True) != hidden or manifest.get("dtype", "bfloat16") != dtype:
+        stored = manifest.get("hidden", True)  # a tokens-only directory stores no dtype-bound states
+        if stored != hidden or (hidden and manifest.get("dtype", "bfloat16") != dtype):
             raise DraftheadsError(f"feature directory '{out}' holds {_kind(manifest)}; this run asks for "
                                   f"{_kind({'hidden': hidden, 'dtype': dtype})}. Use another output_dir")
     else:

@@ -144,6 +144,17 @@ def test_features_of_another_target_are_refused(tiny_target, tmp_path):
         extract_features(other, _sequences(tok, 2), tmp_path / "f")
 
 
+def test_a_tokens_only_directory_serves_any_feature_dtype_and_a_stored_one_its_own(tiny_target, tmp_path):
+    """Online data holds tokens only, so another data.feature_dtype (the rounding applied in the step) reuses it;
+    it was refused with 'holds tokens only; this run asks for tokens only'. Stored states keep their dtype."""
+    seqs = _sequences(tiny_target.tokenizer, 2)
+    extract_features(tiny_target, seqs, tmp_path / "on", hidden=False, dtype="bfloat16")
+    assert extract_features(tiny_target, seqs, tmp_path / "on", hidden=False, dtype="int8")["new_tokens"] == 0
+    extract_features(tiny_target, seqs, tmp_path / "off", dtype="bfloat16")
+    with pytest.raises(DraftheadsError, match="holds .*bfloat16.*this run asks for .*int8"):
+        extract_features(tiny_target, seqs, tmp_path / "off", dtype="int8")
+
+
 def test_features_of_other_sequences_are_refused(tiny_target, tmp_path):
     """Resume is by count; the manifest's digest makes changed data (other records, other data.* settings) an error
     instead of features silently paired with the wrong sequences. A longer list with the same prefix extends."""
