@@ -7,6 +7,7 @@ renamed over the old one: a reader sees the old file or the new one, never a mix
 from __future__ import annotations
 
 import fcntl
+import glob
 import os
 import shutil
 import threading
@@ -21,9 +22,29 @@ def _temporary_name(path: Path) -> Path:
     return path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
+def _remove_stale_temporaries(path: Path) -> None:
+    """Temporaries of `path` whose writer is gone (killed with -9, no cleanup ran): a killed draft-file build left
+    gigabytes that nothing removed."""
+    for tmp in path.parent.glob(f"{glob.escape(path.name)}.*.*.tmp"):
+        pid = tmp.name[len(path.name) + 1:].split(".")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def write_whole(path: Path, write: Callable[[Path], None]) -> None:
     """write(tmp), then tmp renamed to `path`; a failed write (a full disk) removes its partial temporary file, so it
-    holds none of the space the user frees to rerun."""
+    holds none of the space the user frees to rerun, and a killed writer's is removed by the next write."""
+    _remove_stale_temporaries(path)
     tmp = _temporary_name(path)
     try:
         write(tmp)

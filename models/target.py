@@ -40,11 +40,11 @@ CACHE_KWARG = _cache_kwarg()
 HIDDEN_STATE_CONVENTION = "hidden_states[i] = input of decoder layer i (0 = embeddings); final = LM-head input"
 
 
-def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3 / vLLM default: (2, L//2, L-3); (2, 15, 27) for 30 layers. Tiny models: (1, L//2, L-1)."""
+def default_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3 / vLLM default: (2, L//2, L-3); (2, 15, 27) for 30 layers. Tiny models: (1, L//2, L-1), each once."""
     if num_layers >= 8:
         return (2, num_layers // 2, num_layers - 3)
-    return (1, num_layers // 2, num_layers - 1)
+    return tuple(sorted({1, num_layers // 2, num_layers - 1}))
 
 
 def cache_root() -> Path:
@@ -234,7 +234,7 @@ def _outside_zero3_init():
     except ImportError:
         yield
         return
-    registered = hf_deepspeed._hf_deepspeed_config_weak_ref  # a weakref or None; restored as it was
+    registered = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)  # a weakref or None; restored
     hf_deepspeed.unset_hf_deepspeed_config()
     try:
         yield

@@ -228,3 +228,20 @@ def test_a_deepspeed_build_lock_left_by_a_killed_run_is_named_instead_of_hanging
     os.utime(lock, (old, old))
     with pytest.raises(DraftheadsError, match=r"deepspeed_shm_comm/lock' is 20 min old.*delete it and rerun"):
         check_extension_locks(str(tmp_path))
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write_and_a_live_ones_is_not(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from models.files import write_atomic
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"x.json.{int(gone.stdout)}.1.tmp"  # what kill -9 during a write leaves
+    live = tmp_path / f"x.json.{os.getpid()}.99.tmp"  # another thread of a running writer
+    other = tmp_path / f"y.json.{int(gone.stdout)}.1.tmp"
+    for f in (dead, live, other):
+        f.write_bytes(b"partial")
+    write_atomic(tmp_path / "x.json", "{}")
+    assert not dead.exists() and live.exists() and other.exists() and (tmp_path / "x.json").read_text() == "{}"

@@ -139,6 +139,9 @@ def test_a_sharded_target_reads_its_rows_from_the_files_and_computes_what_the_wh
     its DeepSpeed config), which failed every load from a directory."""
     from models.target import tiny_random_llama
 
+    if strategy == "zero3":
+        pytest.importorskip("deepspeed")
+
     model, tok = tiny_random_llama(num_layers=4)
     model.save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
@@ -233,6 +236,7 @@ def test_the_accelerate_group_is_the_one_source_of_strategy_and_launch():
 def test_a_worker_error_ends_the_launch_with_its_code_and_one_line_after_it(tmp_path):
     """Offline features cannot be extracted by a sharded target (ranks would wait on each other's gathers until the
     timeout): refused before any work, in each rank; the launcher exits with the worker's code 2 and no traceback."""
+    pytest.importorskip("deepspeed")
     r = subprocess.run([sys.executable, "-m", "train.distill", "+experiment=smoke", f"output_dir={tmp_path}",
                         "accelerate=zero3", "accelerate.num_processes=2", "data.regen_backend=openai"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)

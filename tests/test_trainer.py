@@ -630,34 +630,41 @@ def test_the_greedy_token_comes_from_the_features_without_the_target_lm_head():
 
 
 def test_steps_raised_train_on_steps_lowered_or_another_keep_best_criterion_are_refused(peaked_target, tmp_path):
-    """A finished stage 1 asked for more steps trains on from its last checkpoint (the same curve as one longer run's
-    first steps); asked for fewer than it ran, it is an error naming train.steps, not its weights returned as the
-    shorter run's; a killed run resumed with the chain walk switched off (the kept weights were chosen by chain τ,
-    the rest would be chosen by val_loss) is refused; RL's train.rl_steps the same."""
+    """A finished stage 1 asked for more steps trains on from its last checkpoint (RL's checkpoints of the old head
+    go); asked for fewer than it ran, it is an error naming train.steps, not its weights returned as the shorter
+    run's, and so is training on without the last checkpoint; a refused rerun keeps the head. A killed run resumed
+    with the chain walk switched off (kept weights chosen by chain τ, the rest by val_loss) is refused; RL's
+    train.rl_steps the same."""
+    import shutil
+
     from train.trainer import train_draft
 
     feats = tiny_features(peaked_target, n=7) + tiny_features(peaked_target, n=3)
     cfg = lambda steps, **kw: make_cfg(tmp_path, steps=steps, holdout_sequences=3, eval_every=2, checkpoint_every=2,  # noqa: E731
-                                       **kw)
+                                       stages=["soft_label", "rl"], rl_max_context=30, **{"rl_steps": 2, **kw})
     train_draft(cfg(4), peaked_target, feats, tmp_path)
     with pytest.raises(DraftheadsError, match=r"at step 4, past the 2 steps asked for \(train.steps=2\); set "
                                               r"train.steps to 4 or more"):
         train_draft(cfg(2), peaked_target, feats, tmp_path)
-    train_draft(cfg(6), peaked_target, feats, tmp_path)  # trains on: steps 5 and 6
+    with pytest.raises(DraftheadsError, match=r"other settings \(train.lr"):
+        train_draft(cfg(6, lr=3e-3), peaked_target, feats, tmp_path)
+    assert (tmp_path / "head_soft_label" / "config.json").is_file()  # refused before anything was removed
+    train_draft(cfg(6), peaked_target, feats, tmp_path)  # trains on: steps 5 and 6, then RL from the new head
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 7))
-    assert json.loads((tmp_path / "head" / "metrics.json").read_text())["step"] == 6
+    assert [r["step"] for r in rows if "loss" in r and r["stage"] == "soft_label"] == list(range(1, 7))
+    assert [r["step"] for r in rows if "loss" in r and r["stage"] == "rl"] == [1, 2]  # RL ran again, once
+    assert json.loads((tmp_path / "head_soft_label" / "metrics.json").read_text())["steps"] == 6
+    shutil.rmtree(tmp_path / "checkpoints")
+    with pytest.raises(DraftheadsError, match=r"past its 6 steps, but its step-6 checkpoint is not in"):
+        train_draft(cfg(8), peaked_target, feats, tmp_path)
     killed = tmp_path / "killed"
     train_draft(make_cfg(killed, steps=6, holdout_sequences=3, eval_every=2, checkpoint_every=2), peaked_target,
                 feats, killed, stop_at_step=3)
     with pytest.raises(DraftheadsError, match="chosen by val_tau_chain, this run would choose by val_loss"):
         train_draft(make_cfg(killed, steps=6, holdout_sequences=3, eval_every=2, checkpoint_every=2,
                              val_tau_chain=False), peaked_target, feats, killed)
-    rl = lambda d, n: make_cfg(d, steps=2, rl_steps=n, checkpoint_every=2, stages=["soft_label", "rl"],  # noqa: E731
-                               rl_max_context=30)
-    train_draft(rl(tmp_path / "rl", 4), peaked_target, feats, tmp_path / "rl")
-    with pytest.raises(DraftheadsError, match=r"checkpoints_rl/step_4' is at step 4, .*\(train.rl_steps=2\)"):
-        train_draft(rl(tmp_path / "rl", 2), peaked_target, feats, tmp_path / "rl")
+    with pytest.raises(DraftheadsError, match=r"checkpoints_rl/step_2' is at step 2, .*\(train.rl_steps=1\)"):
+        train_draft(cfg(6, rl_steps=1), peaked_target, feats, tmp_path)
 
 
 @pytest.mark.parametrize("target_dtype", [torch.bfloat16, torch.float32])

@@ -335,7 +335,7 @@ def _steps(accelerator, model, optimizer, stage: Stage, tc, log: RunLog, shard: 
             metrics = _validate(model, stage, shard)
             log.write({"stage": stage.name, "step": step, **metrics,
                        "val_s": round(time.perf_counter() - paused, 2)})
-            key = stage.keep_best_by if stage.keep_best_by in metrics else "val_loss"
+            key = stage.keep_best_by
             if stage.keep_best and _better(metrics, best, key):
                 best = {"step": step, "by": key, **{k: v for k, v in metrics.items() if k in ("val_loss", key)}}
                 _save_best(accelerator, model, stage.ckpt_root / "best", best)

@@ -460,19 +460,21 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     if "soft_label" in tc.stages:
         stage_dir = out / "head_soft_label"
         settings = stage_settings(cfg, "soft_label", data_id, dc.init_from, accelerator.num_processes)
-        done = newest_checkpoint(out / "checkpoints")[0]  # the steps the head was trained for, where still known
-        longer = tc.resume and 0 < done < tc.steps  # train.steps raised: training goes on from the head's checkpoint
-        if (stage_dir / "config.json").is_file() and tc.resume and not longer:
-            if (stage_dir / "settings.json").is_file():
-                check_settings(stage_dir / "settings.json", settings, f"the stage-1 head in '{stage_dir}'")
-            check_steps(done, tc.steps, stage_dir, "train.steps")
+        finished = (stage_dir / "config.json").is_file() and tc.resume
+        if finished and (stage_dir / "settings.json").is_file():
+            check_settings(stage_dir / "settings.json", settings, f"the stage-1 head in '{stage_dir}'")
+        longer = finished and _trains_on(stage_dir, out / "checkpoints", tc.steps)
+        if finished and not longer:
             if main:
                 print(f"[draftheads] soft_label: already done ({stage_dir})")
         else:
             if main and stage_dir.exists():  # an earlier head (resume=false), an unfinished save, or one to train on
-                if longer:
-                    print(f"[draftheads] soft_label: train.steps={tc.steps} is past the head's {done}: training on")
                 shutil.rmtree(stage_dir)
+            if main and longer:
+                print(f"[draftheads] soft_label: train.steps={tc.steps} is past the head's steps: training on from "
+                      "its last checkpoint" + ("; RL's checkpoints, made from the old head, are removed" if
+                                               (out / "checkpoints_rl").exists() else ""))
+                shutil.rmtree(out / "checkpoints_rl", ignore_errors=True)
             accelerator.wait_for_everyone()
             head = _trainable(_initial_head(dc, target, dataset), tc)
             validate = None if holdout is None else soft_label_validation(target, tc, dc.k, head.family_name,
@@ -484,7 +486,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
             accelerator.free_memory()
             if not finished:
                 return out  # simulated kill: no head
-            _save_head(accelerator, head, state, stage_dir, target, resolved, metrics, settings)
+            _save_head(accelerator, head, state, stage_dir, target, resolved, {**metrics, "steps": tc.steps}, settings)
         start = stage_dir
 
     if "rl" in tc.stages:
@@ -512,7 +514,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
 
 def _keep_best_key(tc) -> str:
     """What stage 1 keeps its best weights by: train.keep_best_by, val_loss where the chain is not walked."""
-    return tc.keep_best_by if tc.val_tau_chain or tc.keep_best_by == "val_loss" else "val_loss"
+    return tc.keep_best_by if tc.val_tau_chain else "val_loss"
 
 
 NOT_SHAPING = {"steps", "rl_steps", "checkpoint_every", "eval_every", "val_tau_chain", "log_every", "resume", "wandb",
@@ -559,6 +561,22 @@ def _head_identity(head_dir) -> str:
 
     with open(Path(head_dir) / "model.safetensors", "rb") as f:
         return f"{head_dir} sha256:{hashlib.file_digest(f, 'sha256').hexdigest()[:16]}"
+
+
+def _trains_on(stage_dir: Path, ckpt_root: Path, steps: int) -> bool:
+    """Whether a finished stage-1 head trains on to `steps` (train.steps raised) from its last checkpoint: the steps
+    it ran are recorded with it (older heads: its newest checkpoint's, else unknown: done). Fewer steps than it ran,
+    or a last checkpoint that is gone, is an error naming train.steps."""
+    newest = newest_checkpoint(ckpt_root)[0]
+    trained = _read_metrics(stage_dir).get("steps", newest or None)
+    if trained is None or trained == steps:
+        return False
+    check_steps(trained, steps, stage_dir, "train.steps")
+    if newest != trained:
+        raise DraftheadsError(f"train.steps={steps} would train '{stage_dir}' on past its {trained} steps, but "
+                              f"its step-{trained} checkpoint is not in '{ckpt_root}'; set train.steps={trained} to "
+                              "use the head as it is, or train.resume=false to start over")
+    return True
 
 
 def _read_metrics(head_dir) -> dict:
