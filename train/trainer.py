@@ -486,7 +486,8 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
             accelerator.free_memory()
             if not finished:
                 return out  # simulated kill: no head
-            _save_head(accelerator, head, state, stage_dir, target, resolved, {**metrics, "steps": tc.steps}, settings)
+            metrics = {**metrics, "steps": tc.steps}  # recorded with the head: what a rerun with more steps reads
+            _save_head(accelerator, head, state, stage_dir, target, resolved, metrics, settings)
         start = stage_dir
 
     if "rl" in tc.stages:
