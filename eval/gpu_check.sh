@@ -46,10 +46,10 @@ step() {  # step NAME SECONDS CMD...: run with a timeout, log, keep the last JSO
 step env 30 $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, \
 transformers.__version__, torch.cuda.get_device_name(0))"
 # training reads Hydra's schemas: when the image lacks them, hydra-core / omegaconf come from a wheel directory
-# ($WHEELS, else shared/wheels or ../shared/wheels where the machine provides one) and antlr4 (an sdist only, which
+# ($WHEELS, else shared/wheels inside the checkout where the machine provides one) and antlr4 (an sdist only, which
 # pip cannot build without setuptools) from its unpacked source on PYTHONPATH. The deps step reports the outcome.
 WHEELS=${WHEELS:-}
-for w in shared/wheels ../shared/wheels; do [ -z "$WHEELS" ] && [ -d "$w" ] && WHEELS=$w; done
+[ -z "$WHEELS" ] && [ -d shared/wheels ] && WHEELS=shared/wheels
 if ! $PY -c "import hydra" 2>/dev/null && [ -n "$WHEELS" ]; then
   antlr=$(ls "$WHEELS"/antlr4-python3-runtime-*.tar.gz 2>/dev/null | head -1)
   if ! $PY -c "import antlr4" 2>/dev/null && [ -n "$antlr" ]; then
