@@ -48,12 +48,25 @@ def weights_identity(path: str | None, dtype: str) -> dict:
     return weights | ({"dtype": dtype} if dtype != "float32" else {})
 
 
+def source_stamp(path: str | None) -> dict:
+    """What data.path holds, cheaply: bytes and modification time of the file (of every file under a directory,
+    digested), so data edited in place is other data rather than a stale cache. Empty without data.path (the
+    packaged copies), so their keys stay what they were."""
+    if not path or not Path(path).expanduser().exists():
+        return {}  # the reader names a missing path
+    root = Path(path).expanduser()
+    files = sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else [root]
+    stats = [(str(f.relative_to(root)) if root.is_dir() else f.name, f.stat().st_size, f.stat().st_mtime_ns)
+             for f in files]
+    return {"path_files": {"files": len(stats), "bytes": sum(s[1] for s in stats), "sha256": _digest(stats)}}
+
+
 def data_settings(d, fingerprint: dict, seed: int, weights: dict | None = None) -> dict:
-    """What shapes the data directory's content: the data.* fields that change records or tokens, the target (name,
-    tokenizer, feature layers, `weights_identity`) and the seed; shard sizes do not. `regen_sha256` keys the
-    regenerated text alone (the feature layers and dtype do not shape it), so heads reading other layers share one
-    regeneration."""
-    keep = {k: getattr(d, k) for k in SHAPING}
+    """What shapes the data directory's content: the data.* fields that change records or tokens, what the files at
+    data.path hold (`source_stamp`), the target (name, tokenizer, feature layers, `weights_identity`) and the seed;
+    shard sizes do not. `regen_sha256` keys the regenerated text alone (the feature layers and dtype do not shape
+    it), so heads reading other layers share one regeneration."""
+    keep = {k: getattr(d, k) for k in SHAPING} | source_stamp(d.path)
     keep["target"] = {k: fingerprint[k] for k in ("name", "tokenizer_hash", "layer_ids")} | \
         ({"weights": weights} if weights else {})
     keep["seed"] = seed
@@ -61,7 +74,8 @@ def data_settings(d, fingerprint: dict, seed: int, weights: dict | None = None) 
     regen_target = {k: fingerprint[k] for k in ("name", "tokenizer_hash")}
     if weights and "path" in weights:
         regen_target["path"] = weights["path"]
-    keep["regen_sha256"] = _digest({**{k: keep[k] for k in REGEN_SHAPING + ("seed",)}, "target": regen_target})
+    regen = {k: keep[k] for k in REGEN_SHAPING + ("seed",)} | {k: keep[k] for k in ("path_files",) if k in keep}
+    keep["regen_sha256"] = _digest({**regen, "target": regen_target})
     return keep
 
 
@@ -160,8 +174,11 @@ def check_regeneration_settings(regenerated: Path, settings: dict, main: bool) -
     now = {f"data.{k}": settings[k] for k in REGEN_SHAPING if k != "max_records"} | \
         {"train.seed": settings["seed"], "target.name": settings["target"]["name"],
          "target.path": settings["target"].get("weights", {}).get("path")}
+    if "path_files" in settings:
+        now["data.path's files"] = settings["path_files"]
     try:
         before = json.loads(stamp.read_text())
+        before.setdefault("data.path's files", now.get("data.path's files"))  # stamped before files were
     except FileNotFoundError:
         before = now  # no stamp (a file from before stamps existed): taken as made with these settings
     except ValueError:

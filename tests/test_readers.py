@@ -197,3 +197,30 @@ def test_answers_regenerated_with_other_settings_are_never_reused(tiny_target, t
     for w in (other, weights_identity(None, "bfloat16")):
         assert data_settings(d, tiny_target.fingerprint, 0, w)["sha256"] != base["sha256"]
     assert data_settings(d, tiny_target.fingerprint, 0, other)["regen_sha256"] != base["regen_sha256"]
+
+
+def test_data_edited_in_place_is_other_data(tiny_target, tmp_path):
+    """Fine-tuning data at data.path edited (or appended to) between runs: the cache key changes, and the run's old
+    regenerated answers are refused by name instead of being reused for the changed prompts."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from conf.schema import DataConfig
+    from data.prepare import data_settings, prepare_data
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"write {i}"]}) + "\n" for i in range(3)))
+    d = OmegaConf.structured(DataConfig(source="prompt_jsonl", path=str(prompts), max_records=3,
+                                        max_length=2048, regen_max_new=4, regen_batch_size=4, shard_mb=0.01))
+    before = data_settings(d, tiny_target.fingerprint, 0)
+    prepare_data(tiny_target, tmp_path / "data", d)
+    assert data_settings(d, tiny_target.fingerprint, 0) == before  # untouched: the same key
+    prompts.write_text(prompts.read_text().replace("write 1", "draw 1"))  # same size
+    os.utime(prompts, ns=(0, 10**18))
+    after = data_settings(d, tiny_target.fingerprint, 0)
+    assert after["sha256"] != before["sha256"] and after["regen_sha256"] != before["regen_sha256"]
+    with pytest.raises(DraftheadsError, match=r"holds answers regenerated with other settings \(data.path's files"):
+        prepare_data(tiny_target, tmp_path / "data", d)
+    d.path = str(tmp_path / "missing.jsonl")
+    assert "path_files" not in data_settings(d, tiny_target.fingerprint, 0)  # the reader names it
