@@ -489,6 +489,23 @@ def test_auto_mixed_precision_follows_what_trains_faster(monkeypatch, isa, intel
     assert resolve_mixed_precision("no", "cpu") == "no" and resolve_mixed_precision("bf16", "cpu") == "bf16"
 
 
+@pytest.mark.parametrize("major,want", [(9, "bf16"), (7, "no")])
+def test_auto_mixed_precision_on_cuda_asks_this_ranks_gpu(monkeypatch, major, want):
+    """Rank 3 of a torchrun launch asks GPU 3 before set_device; asking the current device would open a context on
+    GPU 0 from every rank."""
+    import torch
+
+    from train.distributed import resolve_mixed_precision
+
+    asked = []
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or (major, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("asked the current device"))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a: pytest.fail("asked the current device"))
+    assert resolve_mixed_precision("auto", "cuda") == want and asked == [3]
+
+
 def test_validation_reads_every_held_out_sequence_once(tiny_target):
     """3 held-out sequences in batches of 2: batches [0, 1] and [2], no sequence twice (a wrapped permutation used to
     count some twice); split over 2 ranks, the same batches in total."""

@@ -105,13 +105,16 @@ def die_with_launcher() -> None:
 
 def resolve_mixed_precision(value: str, device: str) -> str:
     """train.mixed_precision=auto -> bf16 where the hardware trains faster in bfloat16 (a CUDA GPU that supports it; a
-    CPU where `cpu_kernels.bf16_trains_faster`: AMX, or AVX-512 BF16 on AMD), else no."""
+    CPU where `cpu_kernels.bf16_trains_faster`: AMX, or AVX-512 BF16 on AMD), else no. Runs before the process group
+    and torch.cuda.set_device: it touches no device."""
     if value != "auto":
         return value
     import torch
 
-    if device == "cuda":
-        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    if device == "cuda":  # this rank's GPU by index: asking the current device would open a context on GPU 0
+        if not torch.cuda.is_available():
+            return "no"
+        return "bf16" if torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", "0")))[0] >= 8 else "no"
     from inference.cpu_kernels import bf16_trains_faster
 
     return "bf16" if bf16_trains_faster() else "no"
