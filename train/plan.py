@@ -8,6 +8,9 @@ parameters, w = 2 bytes under bf16 mixed precision (else 4), t = the target's by
   model states   ddp / single: 16 P  (fp32 weights 4, fp32 gradients 4, AdamW moments 8)
                  zero2:  w P + (16 - w) P / N     (compute weights replicated; gradients, fp32 master, moments sharded)
                  zero3 / fsdp: 16 P / N + 2 w L   (L = the largest head layer, gathered with one prefetched)
+                 DeepSpeed's bf16 ZeRO-2/3 also casts each optimizer sub-group's gradient partition to fp32 for the
+                 step (4 P / N with its default 1e9-parameter sub-groups): after backward, when the activations
+                 below are freed, so the backward's peak is the one counted while they exceed it
   frozen target  offline: t F, F = embedding + final norm + LM head (the head reads them), replicated
                  online:  t P_target (single, ddp, zero2: replicated) or t F + t (P_target - F) / N + 2 t L_target
                           (fsdp, zero3: decoder layers FSDP2-sharded, L_target = one layer, gathered with one prefetched)
