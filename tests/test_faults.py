@@ -44,6 +44,22 @@ def test_metrics_cut_at_any_byte_keep_every_complete_line_once(tmp_path):
         assert [r["step"] for r in kept] == list(range(1, min(complete, 4) + 1)), cut
 
 
+def test_wandb_steps_count_on_from_stage_one_into_rl(tmp_path):
+    """W&B drops a step below its current one: RL's step 0 (its first validation) must follow stage 1's last step."""
+    logged = []
+
+    class Run:
+        def log(self, values, step):
+            logged.append((next(iter(values)).split("/")[0], step))
+
+    log = RunLog(tmp_path / "metrics.jsonl", main=True, wandb_run=Run())
+    for stage, steps in (("soft_label", range(50, 201, 50)), ("rl", range(0, 31, 10))):
+        for step in steps:
+            log.write({"stage": stage, "step": step, "loss": 1.0})
+    assert logged == [("soft_label", 50), ("soft_label", 100), ("soft_label", 150), ("soft_label", 200),
+                      ("rl", 201), ("rl", 211), ("rl", 221), ("rl", 231)]
+
+
 ARGS = [sys.executable, "-m", "train.distill", "+experiment=smoke", "data.max_records=8", "train.steps=4", "eval.limit=0",
         "runtime.threads=1"]
 

@@ -115,11 +115,13 @@ class Stage:
 @dataclass
 class RunLog:
     """metrics.jsonl, and W&B when a run is given; written by the main process only. W&B steps count on across
-    stages (RL's step 1 follows stage 1's last) so one run shows both."""
+    stages (a stage's step 0 follows the last step logged before it: W&B drops steps below its current one) so one
+    run shows both."""
     path: Path
     main: bool
     wandb_run: object = None
     offsets: dict = field(default_factory=dict)
+    top: int = -1  # the highest W&B step logged
 
     def resume(self, stage: str, step: int) -> None:
         """Drop what a killed run logged for `stage` past its checkpoint `step` (about to be redone) and a torn last
@@ -150,7 +152,8 @@ class RunLog:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.wandb_run is not None:
-            offset = self.offsets.setdefault(row["stage"], sum(self.offsets.values()) if self.offsets else 0)
+            offset = self.offsets.setdefault(row["stage"], self.top + 1)
+            self.top = max(self.top, offset + row["step"])
             self.wandb_run.log({f"{row['stage']}/{k}": v for k, v in row.items() if k not in ("stage", "step")},
                                step=offset + row["step"])
 
