@@ -107,7 +107,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, row_block: int
     return F.linear(x, weight, bias)
 
 
-# On the CPU, decode and verify forwards (<= QUERY_BLOCK tokens) attend through the compiled kernel of
+# On the CPU, decode and verify forwards (the runtime's verify steps at any width, other forwards of <= QUERY_BLOCK
+# tokens) attend through the compiled kernel of
 # inference/cpu_kernels.py, which computes each query row over its visible keys alone. Where it is absent (no C
 # compiler at install; a GPU; static caches) they attend through `MatmulAttention`, so a token gets bitwise the
 # same output decoded alone, verified in a chain, or verified as a tree node whose ancestors sit at scattered cache
@@ -289,17 +290,19 @@ class LlamaForward:
         rows: Tensor | None = None,  # [B] cache rows (requests) of this forward; None = all rows
         logits_at: Tensor | None = None,  # [B, T'] only these positions get logits (skips pads in a prefill)
         context_limit: Tensor | None = None,  # [B, T] committed slots each new token sees (default: all)
+        verify: bool | None = None,  # a decode / verify step (True: the runtime's, any T); None: T <= QUERY_BLOCK
     ) -> TargetOutput:
         B, T = input_ids.shape
+        step = T <= QUERY_BLOCK if verify is None else verify  # decode / verify: the paths below, row-invariant
         rows = cache.all_rows() if rows is None else rows
         slots = cache.slots(rows, T)  # [B, T], also checks max_len
         read = cache.reader(rows)
         span = cache.span(slots)
-        self._kernels = self.cpu_kernels and not cache.static and T <= QUERY_BLOCK  # decode / verify forwards
+        self._kernels = self.cpu_kernels and not cache.static and step
         compiled = self._kernels and self.row_invariant
-        if self.row_invariant and T <= QUERY_BLOCK and not cache.static and not compiled:
+        if self.row_invariant and step and not cache.static and not compiled:
             span = min(cache.max_len, -(-span // SPAN_BLOCK) * SPAN_BLOCK)
-        self._row_block = ROW_BLOCK if self.row_invariant and T <= QUERY_BLOCK else None
+        self._row_block = ROW_BLOCK if self.row_invariant and step else None
         tree_mask_given = tree_mask is not None
         if tree_mask is None:
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril().expand(B, T, T)
@@ -310,7 +313,7 @@ class LlamaForward:
         attend = None
         if compiled and mask is not None:  # decode / verify on the CPU (inference/cpu_kernels.py)
             attend = CompiledAttention(mask, self.head_dim)
-        elif mask is not None and T <= QUERY_BLOCK and mask.dtype == torch.bool:  # decode / verify (see QUERY_BLOCK)
+        elif mask is not None and step and mask.dtype == torch.bool:  # decode / verify (see QUERY_BLOCK)
             exact_rows = -(-GEMM_MIN_ROWS // (self.num_heads // self.kv_heads)) if self.row_invariant else None
             attend = MatmulAttention(mask, self.num_heads, self.kv_heads, self.head_dim, exact_rows)
         h = F.embedding(input_ids, self.embed_weight)  # [B, T, H]

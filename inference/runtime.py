@@ -270,7 +270,7 @@ class Runtime:
         rows = torch.tensor(cache_rows, device=self.device)
         lengths = self.cache.lengths[rows].tolist()
         out = self.forward(ids.to(self.device), self.cache, tree_mask=masks.to(self.device),
-                           position_offsets=offsets.to(self.device) if any_tree else None, rows=rows)
+                           position_offsets=offsets.to(self.device) if any_tree else None, rows=rows, verify=True)
         if sampling.greedy and not any_tree:  # all chains: one batched acceptance, one host sync
             lens = torch.tensor([drafts[b].size for b in members])
             n_acc, nxt_tok = accept_greedy_batched(ids[:, 1:].to(self.device), lens, out.logits)
@@ -307,12 +307,12 @@ class Runtime:
         self.prefill(ids[:, :context], self.cache, rows=row, compute_logits=False)
         self.cache.commit(row, torch.tensor([context], device=self.device))
         for n in sizes:  # warm-up: every shape once (kernel creation) before anything is timed
-            self.forward(ids[:, context: context + n], self.cache, rows=row)
+            self.forward(ids[:, context: context + n], self.cache, rows=row, verify=True)
         times = {n: [] for n in sizes}
         for _ in range(repeats):  # rounds over all sizes: a machine that drifts meanwhile shifts every size alike
             for n in sizes:
                 t0 = time.perf_counter()
-                self.forward(ids[:, context: context + n], self.cache, rows=row)
+                self.forward(ids[:, context: context + n], self.cache, rows=row, verify=True)
                 self._sync()
                 times[n].append(time.perf_counter() - t0)
         seconds = [sorted(times[n])[repeats // 2] for n in sizes]
@@ -331,9 +331,9 @@ def tested_depth(draft: Draft, path: list[int]) -> int:
 
 def _forward_tuple(model: LlamaForward):
     """The verify forward returning a tuple (what torch.compile / CUDA graphs handle best)."""
-    def step(input_ids, cache, tree_mask=None, position_offsets=None, rows=None, compute_logits=True):
+    def step(input_ids, cache, tree_mask=None, position_offsets=None, rows=None, compute_logits=True, verify=True):
         out = model.forward(input_ids, cache, tree_mask=tree_mask, position_offsets=position_offsets, rows=rows,
-                            compute_logits=compute_logits)
+                            compute_logits=compute_logits, verify=verify)
         return out.logits, out.aux_hidden, out.final_hidden
 
     return step
@@ -349,7 +349,8 @@ class GraphedForward:
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.pool = None
 
-    def __call__(self, input_ids, cache, tree_mask=None, position_offsets=None, rows=None, compute_logits=True):
+    def __call__(self, input_ids, cache, tree_mask=None, position_offsets=None, rows=None, compute_logits=True,
+                 verify=True):  # every graphed forward is a decode / verify step
         R, T = input_ids.shape
         dev = input_ids.device
         rows = cache.all_rows()[:R] if rows is None else rows
@@ -368,7 +369,7 @@ class GraphedForward:
         return TargetOutput(*outputs)
 
     def _run(self, cache, ids, mask, offsets, rows):
-        out = self.model.forward(ids, cache, tree_mask=mask, position_offsets=offsets, rows=rows)
+        out = self.model.forward(ids, cache, tree_mask=mask, position_offsets=offsets, rows=rows, verify=True)
         return out.logits, out.aux_hidden, out.final_hidden
 
     def _capture(self, cache, *example):

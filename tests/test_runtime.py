@@ -478,11 +478,14 @@ def test_bfloat16_token_decoded_alone_equals_verified_in_block(tiny_bf16, prompt
 
 
 @pytest.mark.parametrize("tree", [False, True])
-def test_bfloat16_speculative_equals_plain_runtime(tiny_bf16, tree, decode_attention):
-    prompts = make_prompts()
-    rt = Runtime(tiny_bf16, max_len=128, batch_size=3)
-    plain = rt.generate(prompts, 40, ignore_eos=True).tokens
-    g = rt.generate(prompts, 40, source=OracleSource(prompts, plain, tree=tree), k=5, ignore_eos=True)
+@pytest.mark.parametrize("k", [5, 24])
+def test_bfloat16_speculative_equals_plain_runtime(tiny_bf16, tree, k, decode_attention):
+    """k=24: verify steps of up to 26 tokens take the decode path too (it was taken up to 16 only; wider steps went
+    through SDPA and unblocked GEMMs, and bf16 outputs left the plain ones)."""
+    prompts = make_prompts((7, 30, 12, 50, 9), seed=1)
+    rt = Runtime(tiny_bf16, max_len=256, batch_size=5)
+    plain = rt.generate(prompts, 120, ignore_eos=True).tokens
+    g = rt.generate(prompts, 120, source=OracleSource(prompts, plain, tree=tree), k=k, ignore_eos=True)
     assert g.tokens == plain and g.stats.tau > 2.0
 
 
