@@ -24,7 +24,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from inference.sampling import SamplingConfig
-from inference.sources.base import Draft, DraftContext, DraftSource
+from inference.sources.base import Draft, DraftContext, DraftSource, reset_source
 from inference.stats import DecodeStats, Generation
 from inference.verify import verify_chain
 from models.errors import DraftheadsError
@@ -96,7 +96,7 @@ def speculative_generate(
     device = target.device
     eos = set(eos_token_ids(target) if eos_ids is None else eos_ids)
     generator = torch.Generator(device=device).manual_seed(seed)
-    source.reset()
+    reset_source(source, seed)
     tokens, stats = [], DecodeStats(k=k, requests=1)
 
     seq = torch.empty(prompt.numel() + max_new + 1, dtype=torch.long)  # committed tokens, grows in place

@@ -109,6 +109,24 @@ def test_head_source_is_lossless_in_the_reference_loop(tiny_target, tmp_path):
     assert fresh.initial_seed() != torch.Generator().manual_seed(0).initial_seed()
 
 
+def test_sampled_drafts_follow_the_run_seed_not_the_source_history(tiny_target, tmp_path):
+    """At T=1 a head source's draft draws restart from the run's seed: the same source run twice, and a fresh one,
+    give the same tokens for the same seed (its draws used to go on from wherever the last run left them)."""
+    from inference.runtime import Runtime
+    from inference.sampling import SamplingConfig
+    from inference.sources.draft_head import head_source
+    from models.checkpoint import save_draft
+
+    torch.manual_seed(0)
+    save_draft(peagle_for_target(tiny_target, k=4), tmp_path / "h", tiny_target)
+    prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    rt, warm = Runtime(tiny_target, max_len=64), SamplingConfig(temperature=1.0)
+    src = head_source(str(tmp_path / "h"), tiny_target)
+    runs = [rt.generate([prompt], 20, source=s, k=4, sampling=warm, seed=0, ignore_eos=True).tokens
+            for s in (src, src, head_source(str(tmp_path / "h"), tiny_target))]
+    assert runs[0] == runs[1] == runs[2]
+
+
 def test_trainer_labels_are_aligned_with_an_oracle_target():
     """An oracle 'target' whose row r distribution is one-hot on the TRUE token r+1: every (anchor, depth) row the
     trainer builds must get target argmax == its label token x_{anchor+depth+1} (no off-by-one anywhere)."""

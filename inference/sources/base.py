@@ -42,7 +42,16 @@ class DraftSource(Protocol):
     needs_features: bool  # True if propose() reads ctx.aux_hidden / ctx.final_hidden
 
     def reset(self) -> None:
-        """Forget per-request state (called before each new prompt)."""
+        """Forget per-request state (called before each new prompt). A source that samples its drafts also has
+        `seed_draws(seed)`: `reset_source` passes it the run's seed, so the draws follow the run, not the source's
+        history."""
 
     def propose(self, ctx: DraftContext, k: int, sampling: SamplingConfig) -> Draft:
         """Up to k draft tokens continuing ctx.tokens, sampled under `sampling` (greedy if temperature 0)."""
+
+
+def reset_source(source, seed: int) -> None:
+    """Before a run: the source forgets per-request state and, where it samples, draws from the run's seed."""
+    source.reset()
+    if hasattr(source, "seed_draws"):
+        source.seed_draws(seed)

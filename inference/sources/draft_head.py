@@ -42,6 +42,9 @@ class DraftHeadSource:
     def reset(self) -> None:
         self.cache.reset()
 
+    def seed_draws(self, seed: int) -> None:
+        self.generator.manual_seed(seed ^ DRAFT_STREAM)
+
     @torch.no_grad()
     def propose(self, ctx: DraftContext, k: int, sampling: SamplingConfig) -> Draft:
         feats = getattr(ctx, self.head.feature)
