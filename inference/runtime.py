@@ -25,7 +25,7 @@ from inference.llama import LlamaForward
 from inference.sampling import SamplingConfig
 from inference.schedulers import FixedK, VerifyCost, plan_groups
 from inference.stats import DecodeStats, Generation
-from inference.sources.base import Draft, DraftContext, DraftSource, reset_source
+from inference.sources.base import Draft, DraftContext, DraftSource, mix_seeds, reset_source
 from inference.tree import accept_tree, check_parents, draft_parents, tree_depths, tree_mask
 from models.errors import DraftheadsError
 from models.target import TargetOutput
@@ -130,8 +130,8 @@ class Runtime:
         if per_request and len(source) != B:
             raise DraftheadsError(f"got {len(source)} sources for {B} prompts; pass one source, or one per prompt")
         sources = list(source) if per_request else [source] if source is not None else []
-        for s in sources:
-            reset_source(s, seed)
+        for b, s in enumerate(sources):
+            reset_source(s, mix_seeds(seed, b) if per_request else seed)
         if prefix is not None:
             prefix.reset()
         feats = any(getattr(s, "needs_features", False) for s in sources)

@@ -51,7 +51,16 @@ class DraftSource(Protocol):
 
 
 def reset_source(source, seed: int) -> None:
-    """Before a run: the source forgets per-request state and, where it samples, draws from the run's seed."""
+    """Before a run: the source forgets per-request state and, where it samples, draws from the run's seed (the
+    runtime mixes in the request's index for per-request sources: requests of one batch draw independently)."""
     source.reset()
     if hasattr(source, "seed_draws"):
         source.seed_draws(seed)
+
+
+def mix_seeds(*seeds: int) -> int:
+    """One 63-bit seed from several (order matters): distinct inputs give unrelated generator streams."""
+    out = 0
+    for s in seeds:
+        out = (out * 0x9E3779B97F4A7C15 + s + 1) % (1 << 63)
+    return out

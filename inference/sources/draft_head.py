@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from inference.sampling import SamplingConfig
-from inference.sources.base import Draft, DraftContext
+from inference.sources.base import Draft, DraftContext, mix_seeds
 from inference.tree import best_first_tree
 from models.checkpoint import load_draft
 from models.errors import DraftheadsError
@@ -37,13 +37,15 @@ class DraftHeadSource:
         self.cache = DraftCache()
         # a stream of its own: the runtime seeds its acceptance draws with the run's seed, and one stream shared by
         # both would reuse the draft's noise as the acceptance and residual noise (on CUDA, draw for draw)
+        self.seed = seed
         self.generator = torch.Generator(device=next(head.parameters()).device).manual_seed(seed ^ DRAFT_STREAM)
 
     def reset(self) -> None:
         self.cache.reset()
 
     def seed_draws(self, seed: int) -> None:
-        self.generator.manual_seed(seed ^ DRAFT_STREAM)
+        """Draws from (this source's seed, the run's seed): the same run on the same source repeats itself."""
+        self.generator.manual_seed(mix_seeds(self.seed, seed) ^ DRAFT_STREAM)
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext, k: int, sampling: SamplingConfig) -> Draft:
