@@ -99,7 +99,7 @@ class TrainConfig:
     rl_max_context: int = 256  # RL: context tokens the target re-reads per sequence (keeps the online forward cheap)
     rl_anchors: int = 16  # RL: draft blocks per sequence and step, all scored in the sequence's one target forward
     rl_anchor_policy: str = "uniform"  # RL: uniform over the answer | round_starts of the head's greedy chain
-    rl_temperature: Optional[float] = None  # RL: serving temperature to optimise; None = the schedule's; 0 = greedy
+    rl_temperature: Optional[float] = None  # RL: serving temperature to optimise; None = train.temperature.end; 0 = greedy
     rl_surrogate_temperature: float = 1.0  # RL at rl_temperature=0: the head's softmax T inside alpha (< 1 sharpens)
     replay_features: Optional[str] = None  # fine-tuning: a feature directory of general data to mix in
     replay_fraction: float = 0.0  # share of the training mixture drawn from replay_features
@@ -284,6 +284,12 @@ def check_config(cfg) -> None:
     from models.families import family_options
 
     family_options(cfg.draft.family, cfg.draft.extra)
+    d, e = cfg.data, cfg.eval
+    same_set = e.domain_prompts is not None and e.domain_prompts in (d.source, d.path)
+    if same_set and e.domain_skip < d.skip_records + d.max_records:
+        raise DraftheadsError(f"eval.domain_skip={e.domain_skip} rates the head on records of '{e.domain_prompts}' it "
+                              f"trained on (data.skip_records + data.max_records = {d.skip_records + d.max_records}); "
+                              f"set eval.domain_skip={d.skip_records + d.max_records} or more")
 
 
 def check_args(args, rules: dict[str, Callable]) -> None:

@@ -95,6 +95,17 @@ def test_out_of_range_settings_are_refused_before_any_work(override, message):
         check_config(_compose(["+experiment=smoke", override]))
 
 
+def test_a_fine_tune_is_never_rated_on_the_problems_it_trained_on():
+    from conf.schema import check_config
+    from models.errors import DraftheadsError
+
+    check_config(_compose(["+experiment=finetune_code", "data.max_records=150"]))  # domain_skip follows it
+    with pytest.raises(DraftheadsError, match=re.escape("eval.domain_skip=100 rates the head on records of "
+                                                        "'humaneval' it trained on (data.skip_records + "
+                                                        "data.max_records = 124); set eval.domain_skip=124")):
+        check_config(_compose(["+experiment=finetune_code", "eval.domain_skip=100"]))
+
+
 @pytest.mark.parametrize("override,message", [
     ("train.steps=0", "error: train.steps=0 must be >= 1; fix it on the command line or in the experiment file"),
     ("runtime.device=cuda", "error: runtime.device=cuda but this machine has no CUDA device; use runtime=cpu"),

@@ -67,9 +67,69 @@ def test_extending_the_draft_vocabulary_keeps_old_rows_and_takes_new_ones_from_t
     assert again.config["draft_vocab_size"] == 62 and torch.equal(again.draft_ids, head.draft_ids)
 
 
+def test_replay_features_of_another_target_are_refused(tiny_target, tmp_path):
+    """Replayed hidden states must be this target's: another model's name, or the data report's other weights (a
+    fine-tuned checkpoint at target.path), is an error naming both; this target's are mixed in."""
+    from data.features import extract_features
+    from data.prepare import weights_identity
+    from models.errors import DraftheadsError
+    from models.target import Target
+    from tests.test_trainer import tiny_features
+    from train.trainer import with_replay
+
+    seqs = [(torch.arange(3, 30), torch.arange(27) > 3) for _ in range(4)]
+    extract_features(tiny_target, seqs, tmp_path / "mine" / "features")
+    other = Target(tiny_target.model, tiny_target.tokenizer, "some-other-model", tiny_target.layer_ids)
+    extract_features(other, seqs, tmp_path / "theirs" / "features")
+    domain = tiny_features(tiny_target, n=3)
+    assert len(with_replay(domain, str(tmp_path / "mine" / "features"), 0.5, tiny_target, {})) == 6
+    with pytest.raises(DraftheadsError, match="holds hidden states of target 'some-other-model'"):
+        with_replay(domain, str(tmp_path / "theirs" / "features"), 0.5, tiny_target, {})
+    tuned = weights_identity(str(tmp_path / "my-finetuned-target"), "float32")
+    (tmp_path / "mine" / "data_report.json").write_text(json.dumps({"settings": {"target": {"name": "x"}}}))
+    with pytest.raises(DraftheadsError, match="not of this run's 'tiny-random-llama' \\({'path'"):
+        with_replay(domain, str(tmp_path / "mine" / "features"), 0.5, tiny_target, tuned)
+
+
 def test_replay_needs_its_features(tiny_target):
     from models.errors import DraftheadsError
     from train.trainer import with_replay
 
     with pytest.raises(DraftheadsError, match="train.replay_fraction=0.2 needs train.replay_features=DIR"):
         with_replay([{"aux_hidden": 1}], None, 0.2, tiny_target)
+
+
+def test_a_start_head_of_another_shape_is_refused_by_name(tiny_target, tmp_path):
+    """draft.init_from with the run's draft.k / family / num_layers set otherwise: the loss would train depths the
+    head lacks (or record a K it was not trained at); the error names each option and the head's value."""
+    from models.errors import DraftheadsError
+    from tests.test_trainer import make_cfg, tiny_features
+    from train.trainer import train_draft
+
+    save_draft(peagle_for_target(tiny_target, k=3), tmp_path / "start", tiny_target)
+    cfg = make_cfg(tmp_path / "run", steps=2)
+    cfg.draft.init_from, cfg.draft.k, cfg.draft.family = str(tmp_path / "start"), 5, "eagle3"
+    with pytest.raises(DraftheadsError, match=r"draft.family=eagle3 \(the head's: peagle\), draft.k=5 \(the head's: "
+                                              r"3\); set those to the head's"):
+        train_draft(cfg, tiny_target, tiny_features(tiny_target), tmp_path / "run")
+    cfg.draft.init_from, cfg.draft.vocab_extend = None, 8
+    with pytest.raises(DraftheadsError, match="draft.vocab_extend=8 extends an existing head's draft vocabulary"):
+        train_draft(cfg, tiny_target, tiny_features(tiny_target), tmp_path / "run")
+
+
+def test_a_start_head_retrained_in_place_is_another_start(tiny_target, tmp_path):
+    """The fine-tune records its start head by content: retraining that head in place makes the finished fine-tune
+    stale, which the rerun names instead of reporting it done."""
+    from models.errors import DraftheadsError
+    from tests.test_trainer import make_cfg, tiny_features
+    from train.trainer import train_draft
+
+    torch.manual_seed(0)
+    save_draft(peagle_for_target(tiny_target, k=3), tmp_path / "start", tiny_target)
+    cfg = make_cfg(tmp_path / "run", steps=2)
+    cfg.draft.init_from = str(tmp_path / "start")
+    train_draft(cfg, tiny_target, tiny_features(tiny_target), tmp_path / "run")
+    train_draft(cfg, tiny_target, tiny_features(tiny_target), tmp_path / "run")  # unchanged: done
+    save_draft(peagle_for_target(tiny_target, k=3), tmp_path / "start", tiny_target)  # other weights, same path
+    with pytest.raises(DraftheadsError, match="came from other settings \\(start: "):
+        train_draft(cfg, tiny_target, tiny_features(tiny_target), tmp_path / "run")

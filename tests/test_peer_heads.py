@@ -199,7 +199,7 @@ def test_fine_tuning_a_peer_head_trains_its_own_embedding_and_lm_head(tiny_targe
     peer = write_peer_head(tmp_path / "peer")
     target_embedding = tiny_target.model.get_input_embeddings().weight.clone()
     cfg = make_cfg(tmp_path / "run", steps=20)
-    cfg.draft.k, cfg.draft.init_from = 4, str(tmp_path / "peer")
+    cfg.draft.k, cfg.draft.num_layers, cfg.draft.init_from = 4, 2, str(tmp_path / "peer")
     head_dir = train_draft(cfg, tiny_target, tiny_features(tiny_target), tmp_path / "run")
     curve = losses(tmp_path / "run" / "metrics.jsonl")
     first, last = sum(curve[s] for s in range(1, 6)) / 5, sum(curve[s] for s in range(16, 21)) / 5

@@ -18,7 +18,8 @@ One step, for B sequences of the feature set:
       + rl_pg_weight * REINFORCE on R = tokens accepted by the exact rule (min(1, p/q) then first rejection),
         baseline = mean R of the other blocks of the step (stateless, so resume stays exact)
       - rl_kl_weight * KL(q_stage1 || q)  (anchor to the stage-1 head).
-The temperature is the schedule's (as in stage 1) unless train.rl_temperature fixes the serving temperature. At 0
+The serving temperature is train.rl_temperature, else the schedule's end (stage 1's last; training and validation
+alike: the schedule is a distillation device, not a serving one). At 0
 (greedy serving) blocks are the head's argmax and p is one-hot at the target's argmax, so alpha_k = q_k(target argmax)
 with q at train.rl_surrogate_temperature: 1 is the head's own distribution; below 1 alpha approaches the 0/1 greedy
 acceptance and its gradient concentrates on near misses (the target's token just below the head's argmax), the
@@ -236,9 +237,9 @@ def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None):
     `fill` (online runs) adds the target's hidden states to the step's sequences."""
     scorer = compact_forward(target)
 
-    def step_fn(model, micro: int, temperature: float):
+    def step_fn(model, micro: int, _schedule_temperature: float):  # RL serves at serve_t
         g = torch.Generator().manual_seed(tc.seed * BLOCK_SEED + micro)
-        serve_t = temperature if tc.rl_temperature is None else tc.rl_temperature
+        serve_t = tc.temperature.end if tc.rl_temperature is None else tc.rl_temperature
         items, anchor_lists = [], []
         n = len(dataset)
         for i in batch_indices(micro, tc.batch_size, n, tc.seed + 1):  # 1. anchors

@@ -89,15 +89,27 @@ class Concat:
         return [*sequence_lengths(self.first), *sequence_lengths(self.second)]
 
 
-def with_replay(dataset, path: str | None, fraction: float, target):
+def with_replay(dataset, path: str | None, fraction: float, target, weights: dict | None = None):
     """`dataset` plus enough sequences of the general feature set at `path` (spread over it) that they make up
-    `fraction` of the mixture: fine-tuning on a domain keeps seeing general data, so it forgets less."""
+    `fraction` of the mixture: fine-tuning on a domain keeps seeing general data, so it forgets less. The general
+    set must come from this target: its name, and its weights (`data.prepare.weights_identity`, as the data report
+    beside it records them) where `weights` is given."""
     if fraction <= 0:
         return dataset
     if not path:
         raise DraftheadsError(f"train.replay_fraction={fraction} needs train.replay_features=DIR (a feature directory "
                               "of the general data, e.g. the first run's data/features)")
     general = open_features(path, target)
+    made_by = getattr(general, "manifest", {}).get("fingerprint", {}).get("name", target.name)
+    try:
+        made_with = json.loads((Path(path) / ".." / "data_report.json").read_text())["settings"]["target"]
+    except (OSError, ValueError, KeyError):
+        made_with = None  # features made elsewhere: the manifest's fingerprint is what there is to check
+    other_weights = weights is not None and made_with is not None and made_with.get("weights", {}) != weights
+    if made_by != target.name or other_weights:
+        raise DraftheadsError(f"train.replay_features '{path}' holds hidden states of target '{made_by}' "
+                              f"({made_with.get('weights', {}) if made_with else 'weights unrecorded'}), not of this "
+                              f"run's '{target.name}' ({weights or {}}); extract the general data with this target")
     n = min(len(general), round(fraction / (1 - fraction) * len(dataset)))
     if getattr(general, "hidden", True) != getattr(dataset, "hidden", "aux_hidden" in dataset[0]):
         raise DraftheadsError(f"train.replay_features '{path}' and the run's data differ in kind (offline hidden "
@@ -449,7 +461,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     everything = open_features(features, target)
     fill = online_features(everything, target, cfg.data.feature_dtype)
     dataset, holdout = split_holdout(everything, tc.holdout_sequences, tc.data_fraction)
-    dataset = with_replay(dataset, tc.replay_features, tc.replay_fraction, target)
+    dataset = with_replay(dataset, tc.replay_features, tc.replay_fraction, target, _weights_of(cfg))
     resolved = OmegaConf.to_yaml(cfg, resolve=True) if OmegaConf.is_config(cfg) else None
     torch.manual_seed(tc.seed)  # every rank builds the same fresh head
     own_wandb = wandb_run is None and tc.wandb and main  # train.distill passes its run (it logs τ after training)
@@ -457,9 +469,13 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     start, metrics = dc.init_from, {}
 
     data_id = data_identity(everything)
+    domain = dataset.first if isinstance(dataset, Concat) else dataset  # without the replayed general sequences
+    if domain is not dataset:  # re-extracted replay features are other data too
+        data_id = f"{data_id}; replay {data_identity(dataset.second.dataset)}"
     if "soft_label" in tc.stages:
         stage_dir = out / "head_soft_label"
-        settings = stage_settings(cfg, "soft_label", data_id, dc.init_from, accelerator.num_processes)
+        settings = stage_settings(cfg, "soft_label", data_id, dc.init_from and _head_identity(dc.init_from),
+                                  accelerator.num_processes)
         finished = (stage_dir / "config.json").is_file() and tc.resume
         if finished and (stage_dir / "settings.json").is_file():
             check_settings(stage_dir / "settings.json", settings, f"the stage-1 head in '{stage_dir}'")
@@ -476,7 +492,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
                                                (out / "checkpoints_rl").exists() else ""))
                 shutil.rmtree(out / "checkpoints_rl", ignore_errors=True)
             accelerator.wait_for_everyone()
-            head = _trainable(_initial_head(dc, target, dataset), tc)
+            head = _trainable(_initial_head(dc, target, domain), tc)
             validate = None if holdout is None else soft_label_validation(target, tc, dc.k, head.family_name,
                                                                           holdout, fill)
             stage = Stage("soft_label", tc.steps, tc.lr, tc.warmup_steps,
@@ -495,7 +511,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
 
         if not start:
             raise DraftheadsError("train.stages=[rl] needs draft.init_from=DIR (a stage-1 head) to start from")
-        head = _trainable(load_draft(start, target), tc)
+        head = _trainable(check_start(load_draft(start, target), dc, start), tc)
         settings = stage_settings(cfg, "rl", data_id, _head_identity(start), accelerator.num_processes)
         finished, state, metrics = train_rl(cfg, head, target, dataset, holdout, out, log, accelerator, stop_at_step,
                                             fill, settings)
@@ -511,6 +527,14 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     if own_wandb:
         log.wandb_run.finish()
     return out / "head"
+
+
+def _weights_of(cfg) -> dict | None:
+    """The run's target weights as the data stage records them (None for configs without a target section)."""
+    from data.prepare import weights_identity
+
+    t = cfg.get("target") if hasattr(cfg, "get") else None
+    return None if t is None or not t.get("name") else weights_identity(t.get("path"), t.get("dtype", "float32"))
 
 
 def _keep_best_key(tc) -> str:
@@ -557,11 +581,19 @@ def _save_head(accelerator, head, state: dict | None, out_dir: Path, target, res
 
 
 def _head_identity(head_dir) -> str:
-    """A starting head: its path and the digest of its weights file (a retrained stage 1 is another start)."""
+    """A starting head: its path and the digest of its weight files (a head retrained in place is another start; a
+    missing directory is named by the load that follows)."""
     import hashlib
 
-    with open(Path(head_dir) / "model.safetensors", "rb") as f:
-        return f"{head_dir} sha256:{hashlib.file_digest(f, 'sha256').hexdigest()[:16]}"
+    files = sorted(Path(head_dir).glob("*.safetensors")) + sorted(Path(head_dir).glob("*.bin"))
+    digests = []
+    for path in files:
+        with open(path, "rb") as f:
+            digests.append(hashlib.file_digest(f, "sha256").hexdigest())
+    if not digests:
+        return str(head_dir)
+    whole = digests[0] if len(digests) == 1 else hashlib.sha256("".join(digests).encode()).hexdigest()
+    return f"{head_dir} sha256:{whole[:16]}"
 
 
 def _trains_on(stage_dir: Path, ckpt_root: Path, steps: int) -> bool:
@@ -589,8 +621,11 @@ def _initial_head(dc, target, dataset):
     if not dc.share_embedding:
         raise DraftheadsError("draft.share_embedding=false is not supported: heads read the target's frozen token "
                               "embedding (as vLLM's EAGLE-3 loader does when embed_tokens is absent); set it to true")
+    if dc.vocab_extend and not dc.init_from:
+        raise DraftheadsError(f"draft.vocab_extend={dc.vocab_extend} extends an existing head's draft vocabulary: set "
+                              "draft.init_from=DIR, or draft.draft_vocab_size for a new head")
     if dc.init_from:  # domain fine-tuning: continue from an existing head (same family/sizes as recorded there)
-        head = load_draft(dc.init_from, target)
+        head = check_start(load_draft(dc.init_from, target), dc, dc.init_from)
         if dc.vocab_extend:
             tokens = getattr(dataset, "tokens", dataset.__getitem__)
             counts = token_counts((tokens(i) for i in range(len(dataset))), target.vocab_size)
@@ -602,6 +637,19 @@ def _initial_head(dc, target, dataset):
         tokens = getattr(dataset, "tokens", dataset.__getitem__)  # ids and masks only, where the dataset can
         vocab = build_draft_vocab((tokens(i) for i in range(len(dataset))), dc.draft_vocab_size, target.vocab_size)
     return build_draft(dc.family, target, dc.k, dc.num_layers, dc.parallel, vocab, dc.share_lm_head, dict(dc.extra))
+
+
+def check_start(head, dc, where):
+    """A head a run starts from (draft.init_from) has the run's family, K and depth: the loss and the τ table follow
+    draft.*, so a head of another shape would train depths it lacks or record a K it was not trained at."""
+    asked = {"draft.family": dc.family, "draft.k": dc.k, "draft.num_layers": dc.num_layers}
+    has = {"draft.family": head.family_name, "draft.k": head.k, "draft.num_layers": head.config.get("num_layers")}
+    diff = [f"{k}={asked[k]} (the head's: {has[k]})" for k in asked if has[k] is not None and has[k] != asked[k]]
+    if diff:
+        raise DraftheadsError(f"draft.init_from '{where}' is another shape of head than the run asks for: "
+                              f"{', '.join(diff)}; set those to the head's (a fine-tune keeps its head's shape), or "
+                              "start a new head without draft.init_from")
+    return head
 
 
 def _trainable(head, tc):
