@@ -6,6 +6,7 @@ renamed over the old one: a reader sees the old file or the new one, never a mix
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import os
@@ -82,9 +83,7 @@ def build_directory_once(out: str | Path, build: Callable[[Path], None], require
     out = Path(out)
     if _complete(out, required):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_name(out.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(out.with_name(out.name + ".lock")):
         if not _complete(out, required):  # nobody finished it while this process waited
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)  # a killed builder's: only the lock's holder builds
@@ -96,6 +95,22 @@ def build_directory_once(out: str | Path, build: Callable[[Path], None], require
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
     return out
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path, waiting: Callable[[], None] | None = None):
+    """Hold an exclusive lock on the file `lock_path` (made if missing) through the block; other processes asking
+    for it wait. `waiting()` runs first when another process holds it. Released when the block ends or the process
+    dies (flock)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _complete(out: Path, required: tuple[str, ...]) -> bool:

@@ -44,6 +44,28 @@ def test_metrics_cut_at_any_byte_keep_every_complete_line_once(tmp_path):
         assert [r["step"] for r in kept] == list(range(1, min(complete, 4) + 1)), cut
 
 
+def test_runs_sharing_a_data_cache_prepare_it_one_at_a_time(tmp_path, capsys):
+    """Two W&B agents on one machine share data.cache_dir: the second waits on CACHE/.lock while the first prepares
+    (it said so), instead of both appending to the same regeneration file."""
+    import subprocess
+    import time
+
+    from data.prepare import Workers
+    from train.distill import cache_lock
+
+    hold = "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print(1, flush=True); " \
+           "time.sleep(1.5)"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / ".lock")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "1"
+    t0 = time.monotonic()
+    with cache_lock(tmp_path, Workers()):
+        waited = time.monotonic() - t0
+    holder.wait()
+    assert waited > 1.0 and "another run is preparing data in" in capsys.readouterr().out
+    with cache_lock(None, Workers()):  # no shared cache: no lock
+        pass
+
+
 def test_wandb_steps_count_on_from_stage_one_into_rl(tmp_path):
     """W&B drops a step below its current one: RL's step 0 (its first validation) must follow stage 1's last step."""
     logged = []

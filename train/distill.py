@@ -11,6 +11,7 @@ same arguments (train/distributed.py); the data stage and every file are the mai
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -31,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from conf.schema import check_config, register_configs
 from models.checkpoint import read_draft_config
 from models.errors import DraftheadsError
-from models.files import check_writable
+from models.files import check_writable, exclusive
 from models.families import family
 
 register_configs()
@@ -82,24 +83,25 @@ def run(cfg: DictConfig) -> dict:
     weights = weights_identity(t.path, t.dtype)
     settings = data_settings(d, target.fingerprint, cfg.train.seed, weights)
     data_dir, regenerated = data_directory(cfg, out, settings, main)
-    report = {"data": ready_report(data_dir, settings)}
-    if report["data"] is None:
-        if sharded and d.regenerate and d.regen_backend == "runtime":
-            raise DraftheadsError("the built-in runtime cannot regenerate with a sharded target; set "
-                                  "data.regen_backend=openai (a vLLM / SGLang server at data.regen_server) or prepare "
-                                  "the data with accelerate=ddp first")
-        if sharded and d.features == "offline":  # ranks extract blocks of different sizes; each forward is collective
-            raise DraftheadsError("data.features=offline cannot be extracted with a sharded target (accelerate="
-                                  f"{cfg.accelerate.strategy}, {world} processes): ranks extract blocks of different "
-                                  "sizes and every forward of a sharded target gathers over all of them, so they "
-                                  "would wait on each other until the timeout. Set data.features=online (the target "
-                                  "runs sharded in each step), or extract them first with accelerate=ddp on devices "
-                                  "that hold the whole target, then rerun")
-        if d.features == "offline" or (d.regenerate and d.regen_backend == "runtime"):
-            target = load()  # the target runs here; a server's regeneration and online data need its tokenizer only
-        report["data"] = prepare_data(target, data_dir, d, cfg.train.seed, workers, regenerated, weights)
-    elif main:
-        print(f"[draftheads] data: ready in {data_dir} (same settings: {report['data']['settings']['sha256']})")
+    with cache_lock(regenerated and regenerated.parent.parent, workers):  # runs sharing a cache: one at a time
+        report = {"data": ready_report(data_dir, settings)}
+        if report["data"] is None:
+            if sharded and d.regenerate and d.regen_backend == "runtime":
+                raise DraftheadsError("the built-in runtime cannot regenerate with a sharded target; set "
+                                      "data.regen_backend=openai (a vLLM / SGLang server at data.regen_server) or "
+                                      "prepare the data with accelerate=ddp first")
+            if sharded and d.features == "offline":  # ranks extract blocks of different sizes; forwards are collective
+                raise DraftheadsError("data.features=offline cannot be extracted with a sharded target (accelerate="
+                                      f"{cfg.accelerate.strategy}, {world} processes): ranks extract blocks of "
+                                      "different sizes and every forward of a sharded target gathers over all of "
+                                      "them, so they would wait on each other until the timeout. Set "
+                                      "data.features=online (the target runs sharded in each step), or extract them "
+                                      "first with accelerate=ddp on devices that hold the whole target, then rerun")
+            if d.features == "offline" or (d.regenerate and d.regen_backend == "runtime"):
+                target = load()  # the target runs here; a server's regeneration and online data need its tokenizer
+            report["data"] = prepare_data(target, data_dir, d, cfg.train.seed, workers, regenerated, weights)
+        elif main:
+            print(f"[draftheads] data: ready in {data_dir} (same settings: {report['data']['settings']['sha256']})")
     if main:
         print("[draftheads] data:", json.dumps({k: v for k, v in report["data"].items() if k != "settings"}))
     sources = [(source_label(spec), spec) for spec in cfg.eval.sources]
@@ -158,6 +160,24 @@ def data_directory(cfg, out: Path, settings: dict, main: bool) -> tuple[Path, Pa
         if not link.exists():
             link.symlink_to(shared, target_is_directory=True)
     return shared, Path(cache).resolve() / "regenerated" / f"{settings['regen_sha256']}.jsonl"
+
+
+@contextlib.contextmanager
+def cache_lock(cache: Path | None, workers):
+    """Runs that share data.cache_dir (W&B agents side by side, runs on one machine) prepare data one at a time: the
+    main process holds CACHE/.lock through the data stage, its other ranks wait for it at a barrier, and a run that
+    waited finds the data ready. No cache: nothing to share."""
+    if cache is None:
+        yield
+        return
+    if workers.rank != 0:
+        workers.wait()
+        yield
+        return
+    with exclusive(cache / ".lock", lambda: print(f"[draftheads] data: another run is preparing data in {cache}; "
+                                                  "waiting for it (its data may be this run's)", flush=True)):
+        workers.wait()
+        yield
 
 
 def multirun() -> bool:
