@@ -84,7 +84,12 @@ step eager_fp32 70 $PY -m eval.speedup $COMMON --dtype float32 --max-new $MAX_NE
 # CUDA graphs for decode/verify (captured per shape, seconds to build), float32 and bf16
 step graphs_fp32 55 $PY -m eval.speedup $COMMON --dtype float32 --max-new $MAX_NEW --limit $LIMIT --cuda-graphs \
   --modes plain,spec --check-lossless
-step graphs_bf16 45 $PY -m eval.speedup $COMMON --dtype bfloat16 --max-new $MAX_NEW --limit $LIMIT --cuda-graphs --modes plain,spec
+step graphs_bf16 45 $PY -m eval.speedup $COMMON --dtype bfloat16 --max-new $MAX_NEW --limit $LIMIT --cuda-graphs --modes plain,spec \
+  --check-lossless
+# bf16 verify steps of 17 tokens (32 with graphs' power-of-two widths): does the GPU's GEMM round a row the same
+# for every row count? (the CPU's row blocking does not run on the GPU; eager, no graphs)
+step bf16_k16 45 $PY -m eval.speedup $COMMON --dtype bfloat16 --max-new $MAX_NEW --limit $LIMIT --k 16 --modes plain,spec \
+  --check-lossless
 # batch 8 with per-request draft lengths, grouped by the profiled verify cost
 step batch8_graphs 45 $PY -m eval.speedup $COMMON --dtype float32 --max-new $MAX_NEW --limit $((2 * LIMIT)) --batch 8 --cuda-graphs \
   --modes plain,spec --check-lossless
