@@ -34,17 +34,18 @@ EMBED_VERSION = 1
 DRAFT_FILE = "draft.safetensors"
 
 
-def embed_draft(target_or_dir, head, out_dir, layer_ids=None, name: str | None = None) -> Path:
+def embed_draft(target_or_dir, head, out_dir, layer_ids=None, name: str | None = None,
+                built_for: dict | None = None) -> Path:
     """Copy the target checkpoint to out_dir with the head's tensors and config added. A directory is loaded
     (as target `name`, with `layer_ids` = the target layers the head reads) only to fingerprint it; its files
-    are copied as they are."""
+    are copied as they are. `built_for`: the target fingerprint the head's checkpoint records, checked against the
+    destination (vocabulary, hidden size, tokenizer, layer ids); without it, the head's sizes are."""
+    from models.checkpoint import CHECKED_KEYS
     from models.target import Target, load_target, save_model_directory
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if isinstance(target_or_dir, Target):
         target = target_or_dir
-        save_model_directory(target.model, target.tokenizer, out)
     else:
         src = Path(target_or_dir)
         if not (src / "config.json").is_file():
@@ -52,6 +53,18 @@ def embed_draft(target_or_dir, head, out_dir, layer_ids=None, name: str | None =
         if layer_ids is None:
             raise DraftheadsError(f"embedding into '{src}' needs the target layer ids the head reads (layer_ids=...)")
         target = load_target(name or src.name, str(src), list(layer_ids))
+    if built_for is not None:
+        target.check_fingerprint(built_for, f"the {head.family_name} head", keys=CHECKED_KEYS)
+    sizes = {"hidden_size": target.hidden_size, "num_aux_layers": len(target.layer_ids)}
+    wrong = {k: (head.config.get(k), v) for k, v in sizes.items() if head.config.get(k, v) != v}
+    if wrong:
+        raise DraftheadsError(f"the {head.family_name} head does not fit target '{target.name}' "
+                              f"({'; '.join(f'{k}: {a} in the head, {b} here' for k, (a, b) in wrong.items())}); "
+                              "embed it into the target it was trained for")
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(target_or_dir, Target):
+        save_model_directory(target.model, target.tokenizer, out)
+    else:
         for f in src.iterdir():
             if f.is_file():
                 shutil.copy2(f, out / f.name)
@@ -132,7 +145,7 @@ def main(argv=None) -> dict:
     target = target_for_head(args.head, args.target_path)
     head = load_draft(args.head, target)
     source = resolve_target_dir(fp["name"], args.target_path) if fp["name"] != "tiny-random-llama" else target
-    out = embed_draft(source, head, args.out, fp["layer_ids"], fp["name"])
+    out = embed_draft(source, head, args.out, fp["layer_ids"], fp["name"], built_for=fp)
     report = {"out": str(out), "family": head.family_name, "draft_tensors": len(head.state_dict()),
               "draft_params": sum(p.numel() for p in head.parameters()),
               "round_trip_identical_drafts":

@@ -323,3 +323,38 @@ def test_embedded_round_trip_and_errors(target5, tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(DraftheadsError, match=str(out)):
         load_embedded(out)
+
+
+def test_calibration_fits_on_the_split_the_head_never_trained_on(tmp_path):
+    """--holdout defaults to the run's train.holdout_sequences (its resolved config); a head that held none out is
+    refused rather than calibrated on the sequences it trained on."""
+    from omegaconf import OmegaConf
+
+    from models.errors import DraftheadsError
+    from train.calibration import held_out_count
+
+    OmegaConf.save(OmegaConf.create({"train": {"holdout_sequences": 48}}), tmp_path / "resolved_config.yaml")
+    assert held_out_count(tmp_path) == 48
+    OmegaConf.save(OmegaConf.create({"train": {"holdout_sequences": 0}}), tmp_path / "resolved_config.yaml")
+    with pytest.raises(DraftheadsError, match="records no held-out sequences .* Pass --holdout N"):
+        held_out_count(tmp_path)
+
+
+
+def test_embedding_into_another_target_is_refused(target5, tmp_path):
+    """The head's recorded target (layer ids 1-5) against a destination reading layers 0-4, and a head of another
+    feature width without a record: both named, nothing written."""
+    from models.checkpoint import read_draft_config, save_draft
+    from models.embedded import embed_draft
+    from models.errors import DraftheadsError
+    from models.target import Target
+
+    head = make_head(target5)
+    save_draft(head, tmp_path / "head", target5)
+    other = Target(target5.model, target5.tokenizer, "tiny-random-llama", layer_ids=(0, 1, 2, 3, 4))
+    with pytest.raises(DraftheadsError, match=r"layer_ids: \[1, 2, 3, 4, 5\] there, \[0, 1, 2, 3, 4\] here"):
+        embed_draft(other, head, tmp_path / "a", built_for=read_draft_config(tmp_path / "head")["target"])
+    three = Target(target5.model, target5.tokenizer, "tiny-random-llama", layer_ids=(1, 2, 3))
+    with pytest.raises(DraftheadsError, match="num_aux_layers: 5 in the head, 3 here"):
+        embed_draft(three, head, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -101,6 +101,22 @@ def calibrate(head, target, features, temperature: float = 0.0, anchors: int = 3
             "acceptance": [round(float(a), 4) for a in accepted.mean(0)], **report}
 
 
+def held_out_count(head_dir) -> int:
+    """train.holdout_sequences of the run that made the head (its resolved_config.yaml): the sequences at the end of
+    its features it never trained on. None recorded is an error: fitting on trained sequences inflates acceptance,
+    so the confidences would run high and the prefix cut keep too many drafts."""
+    from omegaconf import OmegaConf
+
+    path = Path(head_dir) / "resolved_config.yaml"
+    n = OmegaConf.select(OmegaConf.load(path), "train.holdout_sequences", default=0) if path.is_file() else 0
+    if not n:
+        raise DraftheadsError(f"the head in '{head_dir}' records no held-out sequences (train.holdout_sequences): "
+                              "calibrating on sequences it trained on makes its confidences run high. Pass --holdout N "
+                              "for the last N sequences of --features it never trained on, or --holdout 0 with "
+                              "features of other text")
+    return int(n)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m train.calibration", description=__doc__.split("\n\n")[0])
     ap.add_argument("--head", required=True, help="a dspark / dflash checkpoint directory (out_dir/head)")
@@ -109,8 +125,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--target-path", default=None, help="target weights (default: the name recorded in the head)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy acceptance; > 0 = lossless rule at T")
     ap.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
-    ap.add_argument("--holdout", type=int, default=0,
-                    help="use only the last N sequences of --features: the split train.holdout_sequences=N never trained on")
+    ap.add_argument("--holdout", type=int, default=None,
+                    help="use only the last N sequences of --features (default: the head's train.holdout_sequences, "
+                         "the split it never trained on); 0: all of --features, for features it never trained on")
     ap.add_argument("--limit", type=int, default=None, help="sequences to use (default: all)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -123,8 +140,9 @@ def main(argv=None) -> dict:
     head = load_draft(args.head, target)
     features = open_features(args.features, target)
     require_hidden(features, args.features, "calibration")
-    if args.holdout:
-        features = split_holdout(features, args.holdout)[1]
+    holdout = held_out_count(args.head) if args.holdout is None else args.holdout
+    if holdout:
+        features = split_holdout(features, holdout)[1]
     report = calibrate(head, target, features, args.temperature, args.anchors, limit=args.limit)
     src = Path(args.head)
     metrics = json.loads((src / "metrics.json").read_text()) if (src / "metrics.json").is_file() else {}
