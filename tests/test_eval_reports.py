@@ -114,6 +114,11 @@ def test_chain_simulation_follows_the_sequence_round_by_round():
     assert sum(a + 1 for _, a in simulate_chain(hit, mask)) == 10  # every answer token, none past the end
     assert simulate_chain(hit, mask, max_new=4) == [(1, 2), (4, 0)]  # 3 tokens, then room for one, drafted by none
     assert simulate_chain(hit, mask) == simulate_chain(hit, mask, max_new=64)  # None: the whole answer
+    # two answers around a user turn (tokens 13..17): each is its own request, the user turn is prompt, not rounds
+    two = torch.cat([mask, torch.zeros(5, dtype=torch.bool), torch.ones(4, dtype=torch.bool)])
+    hit2 = torch.cat([hit, torch.ones(9, 3, dtype=torch.bool)])
+    assert simulate_chain(hit2, two) == [(1, 2), (4, 0), (5, 3), (9, 1), (16, 3)]  # tokens 18..21: one round
+    assert sum(a + 1 for _, a in simulate_chain(hit2, two)) == 14  # the answers' tokens, not the user turn's
     stats = by_depth(hit[[1, 4, 5, 9]], 3)
     assert stats["agreement"] == [0.75, 1.0, 0.5]  # unconditional: round 2's later hits count here ...
     assert stats["acceptance"] == [0.75, 1.0, 0.3333]  # ... and not here (depth 3 given depths 1, 2: 1 of 3)

@@ -51,16 +51,30 @@ def agreement(model, target, batch: dict, k: int) -> Tensor:
 
 
 def simulate_chain(hit: Tensor, loss_mask: Tensor, max_new: int | None = None) -> list[tuple[int, int]]:
-    """(anchor, accepted drafts) per round of greedy decoding that follows the sequence from its first answer token,
-    as the runtime decodes: the prompt's last token is the first round's input, so that round drafts the first answer
-    token from anchor answer[0] - 2; a round emits its accepted drafts and one more token but never past the answer's
-    last token (the end of turn, or where regeneration stopped) nor past max_new (None: the whole answer), and drafts
-    only as many tokens as leave room for that one more (the runtime's k = min(K, max_new - emitted - 1))."""
-    answer = loss_mask.nonzero().flatten()
-    if answer.numel() == 0:
-        return []
+    """(anchor, accepted drafts) per round of greedy decoding that follows each answer (a contiguous run of the loss
+    mask: one assistant turn, decoded by its own request) from its first token, as the runtime decodes: the prompt's
+    last token is the first round's input, so that round drafts the first answer token from anchor first - 2; a
+    round emits its accepted drafts and one more token but never past the answer's last token (the end of turn, or
+    where regeneration stopped) nor past max_new per answer (None: the whole answer), and drafts only as many tokens
+    as leave room for that one more (the runtime's k = min(K, max_new - emitted - 1)). User turns between answers
+    are prompt, not rounds."""
     hit = hit.tolist()  # Python bools: the walk reads them one by one
-    t, end, emitted, rounds = max(int(answer[0]) - 2, 0), int(answer[-1]), 0, []  # tokens up to t + 1 known
+    rounds = []
+    for first, last in answer_spans(loss_mask):
+        rounds += _walk(hit, first, last, max_new)
+    return rounds
+
+
+def answer_spans(loss_mask: Tensor) -> list[tuple[int, int]]:
+    """(first, last) index of every contiguous run of True in loss_mask [T]."""
+    m = loss_mask.bool().tolist()
+    starts = [i for i, v in enumerate(m) if v and (i == 0 or not m[i - 1])]
+    ends = [i for i, v in enumerate(m) if v and (i + 1 == len(m) or not m[i + 1])]
+    return list(zip(starts, ends))
+
+
+def _walk(hit: list, first: int, end: int, max_new: int | None) -> list[tuple[int, int]]:
+    t, emitted, rounds = max(first - 2, 0), 0, []  # tokens up to t + 1 known
     while t < end - 1 and (max_new is None or emitted < max_new):
         room = end - t - 1 if max_new is None else min(end - t - 1, max_new - emitted)  # tokens this round may emit
         accepted = 0
