@@ -210,3 +210,47 @@ def test_expected_accepted_is_unbiased_when_acceptance_depends_on_the_prefix():
     q_tok = torch.tensor([[0.5, 0.3], [0.5, 0.6]])
     assert expected_accepted(alpha, p_tok, q_tok).mean().item() == pytest.approx(1.0)
     assert alpha.cumprod(1).sum(1).mean().item() == pytest.approx(0.75)  # the biased estimate it replaces
+
+
+def test_the_rl_gradient_is_the_gradient_of_expected_accepted():
+    """Blocks drawn from the head: in exact expectation over every (y1, y2) (V=3, K=2, a chain head whose q2 and the
+    target's p2 depend on y1), the pathwise gradient plus draw_score equals the gradient of the true E[accepted] =
+    alpha_1 + sum_y1 min(p1, q1)(y1) alpha_2(y1); the pathwise gradient alone does not."""
+    import itertools
+
+    from inference.verify import acceptance_rates
+    from train.rl import accepted_terms, draw_score
+
+    g = torch.Generator().manual_seed(1)
+    V = 3
+    th1, th2 = torch.randn(V, generator=g).requires_grad_(), torch.randn(V, V, generator=g).requires_grad_()
+    p1, p2 = torch.softmax(torch.randn(V, generator=g), 0), torch.softmax(2 * torch.randn(V, V, generator=g), 1)
+    q1, q2 = torch.softmax(th1, 0), torch.softmax(th2, 1)  # q2[y1]
+
+    def grad(f):
+        return torch.cat([x.flatten() for x in torch.autograd.grad(f, (th1, th2), retain_graph=True)])
+
+    true = grad(acceptance_rates(p1, q1) + (torch.minimum(p1, q1) * acceptance_rates(p2, q2)).sum())
+    ours, pathwise = torch.zeros_like(true), torch.zeros_like(true)
+    for y1, y2 in itertools.product(range(V), range(V)):
+        w = float(q1[y1] * q2[y1, y2])
+        alpha = torch.stack([acceptance_rates(p1, q1), acceptance_rates(p2[y1], q2[y1])])[None]
+        q_tok = torch.stack([q1[y1], q2[y1, y2]])[None]
+        terms = accepted_terms(alpha, torch.stack([p1[y1], p2[y1, y2]])[None], q_tok)
+        pathwise += w * grad(terms.sum())
+        ours += w * grad(terms.sum() + draw_score(terms, q_tok.log()).sum())
+    torch.testing.assert_close(ours, true, atol=1e-6, rtol=1e-5)
+    assert (pathwise - true).abs().max() > 0.01
+
+
+def test_nothing_counts_after_a_drafted_end_of_turn():
+    """The runtime cuts a chain draft after its first end-of-turn token: depths after it are not drafted, so they
+    add neither to E[accepted] nor to the exact rule's count."""
+    from train.rl import accepted_terms, drafted, exact_accepted
+
+    y = torch.tensor([[5, 2, 7, 8], [5, 6, 7, 2], [2, 2, 2, 2]])
+    live = drafted(y, torch.tensor([2]))
+    assert live.tolist() == [[True, True, False, False], [True] * 4, [True, False, False, False]]
+    ones = torch.ones(3, 4)
+    assert accepted_terms(ones, ones, ones, live).sum(1).tolist() == [2.0, 4.0, 1.0]
+    assert exact_accepted(ones, ones, torch.Generator().manual_seed(0), live).tolist() == [2, 4, 1]

@@ -14,9 +14,13 @@ One step, for B sequences of the feature set:
      (pathwise, low variance): depth k counts when y_1..y_{k-1} were accepted, which along a block drawn from q has
      probability prod r_i, and then accepts with alpha_k. Unbiased for the exact rule's count, unlike
      sum_k prod_{j<=k} alpha_j, which reads alpha_k after prefixes drawn from q rather than accepted ones (p_k and a
-     chain head's q_k depend on the prefix; README: the objective before 2026-12-05's fix)
+     chain head's q_k depend on the prefix; README: the objective before 2026-12-05's fix). Depths after a drafted
+     end-of-turn token count nothing (the runtime cuts the draft there). At T > 0 the blocks are draws from the
+     head, so its gradient is the pathwise one plus the draws' score term (draw_score; before 2026-12-06 it was
+     left out, which biased the gradient for K >= 2)
       + rl_pg_weight * REINFORCE on R = tokens accepted by the exact rule (min(1, p/q) then first rejection),
-        baseline = mean R of the other blocks of the step (stateless, so resume stays exact)
+        baseline = mean R of the other blocks of the step (stateless, so resume stays exact): optional, 0 by
+        default (it misses R's pathwise part, so it is not E[R]'s gradient either)
       - rl_kl_weight * KL(q_stage1 || q)  (anchor to the stage-1 head).
 The serving temperature is train.rl_temperature, else the schedule's end (stage 1's last; training and validation
 alike: the schedule is a distillation device, not a serving one). At 0
@@ -39,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inference.generate import eos_token_ids
 from inference.llama import LlamaForward, compact_forward
 from inference.sampling import SamplingConfig
 from inference.verify import acceptance_rates, accepts
@@ -112,19 +117,46 @@ def block_plan(anchors: Tensor, valid: Tensor, k: int) -> CodPlan:
     return CodPlan(*(torch.cat(c, 1) for c in (cols_a, cols_d, cols_v, cols_t, cols_p)), blocks)
 
 
-def exact_accepted(p_tok: Tensor, q_tok: Tensor, g: torch.Generator) -> Tensor:
-    """R [B]: tokens accepted by the lossless rule (accept y_k w.p. min(1, p/q); stop at the first rejection)."""
+def exact_accepted(p_tok: Tensor, q_tok: Tensor, g: torch.Generator, live: Tensor | None = None) -> Tensor:
+    """R [B]: tokens accepted by the lossless rule (accept y_k w.p. min(1, p/q); stop at the first rejection, and
+    after an end-of-turn draft: `live` [B, K], see drafted)."""
     u = torch.rand(p_tok.shape, generator=g).to(p_tok.device)
-    return accepts(u, p_tok, q_tok).long().cumprod(1).sum(1)
+    ok = accepts(u, p_tok, q_tok)
+    return (ok if live is None else ok & live).long().cumprod(1).sum(1)
 
 
-def expected_accepted(alpha: Tensor, p_tok: Tensor, q_tok: Tensor) -> Tensor:
-    """[B]: E[tokens accepted] of blocks drawn from q, sum_k alpha_k prod_{i<k} min(1, p_i(y_i) / q_i(y_i)), for the
-    acceptance rates alpha [B, K] and the target's and head's probabilities of the drawn tokens p_tok, q_tok [B, K]
-    (at T=0, p one-hot at the target's argmax: prod_{i<k} is 1 while the head's argmax chain agrees, else 0)."""
+def drafted(y: Tensor, eos: Tensor) -> Tensor:
+    """live [B, K]: depth k is drafted, i.e. no end-of-turn token among y_1..y_{k-1} (the runtime cuts a chain draft
+    after its first one: the answer ends there)."""
+    ended = torch.isin(y, eos.to(y.device)).long().cumsum(1)  # end-of-turn tokens among y_1..y_k
+    return torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], 1) == 0
+
+
+def accepted_terms(alpha: Tensor, p_tok: Tensor, q_tok: Tensor, live: Tensor | None = None) -> Tensor:
+    """[B, K]: alpha_k prod_{i<k} min(1, p_i(y_i) / q_i(y_i)), 0 where not drafted; their sum is E[tokens accepted] of
+    blocks drawn from q, for the acceptance rates alpha [B, K] and the target's and head's probabilities of the drawn
+    tokens p_tok, q_tok [B, K] (at T=0, p one-hot at the target's argmax: prod_{i<k} is 1 while the head's argmax
+    chain agrees, else 0)."""
     ratio = (p_tok / q_tok.clamp_min(torch.finfo(q_tok.dtype).tiny)).clamp(max=1)
     reached = torch.cat([torch.ones_like(ratio[:, :1]), ratio[:, :-1].cumprod(1)], 1)
-    return (alpha * reached).sum(1)
+    return alpha * reached if live is None else alpha * reached * live
+
+
+def expected_accepted(alpha: Tensor, p_tok: Tensor, q_tok: Tensor, live: Tensor | None = None) -> Tensor:
+    """[B]: the sum of accepted_terms."""
+    return accepted_terms(alpha, p_tok, q_tok, live).sum(1)
+
+
+def draw_score(terms: Tensor, log_q_tok: Tensor) -> Tensor:
+    """[B], value 0: the score-function part of the gradient of E[accepted] for blocks drawn from the head (T > 0).
+    accepted_terms depend on the draw y_i through the terms after it, so d/dtheta E_y[f] = E[df] (pathwise) +
+    E[sum_i (sum_{k>i} term_k - b_i) d log q_i(y_i)], b_i the mean of the other blocks' (independent of this draw);
+    without it the gradient is biased for K >= 2. `terms` [B, K] (their values are used, not their graph)."""
+    later = (terms.flip(1).cumsum(1).flip(1) - terms).detach()  # sum_{k>i} term_k
+    n = later.shape[0]
+    baseline = (later.sum(0, keepdim=True) - later) / (n - 1) if n > 1 else torch.zeros_like(later)
+    score = ((later - baseline) * log_q_tok).sum(1)
+    return score - score.detach()
 
 
 @torch.no_grad()
@@ -166,7 +198,8 @@ class Rollout:
     q_t: float  # the head's softmax temperature in log_q: the serving T, or 1 when serving greedily
     log_q: Tensor  # [N, K, V] the head's log-probs at q_t; grads when enabled
     alpha: Tensor  # [N, K] sum_v min(p_k, q_k)
-    expected: Tensor  # [N] sum_k alpha_k prod_{i<k} min(1, p_i/q_i) on the drawn tokens: E[accepted]
+    terms: Tensor  # [N, K] alpha_k prod_{i<k} min(1, p_i/q_i) on the drawn tokens (0 past an end of turn)
+    expected: Tensor  # [N] their sum: E[accepted]
     reward: Tensor  # [N] tokens accepted by the exact rule
     tokens: int  # context + block tokens the target read
 
@@ -217,10 +250,17 @@ def rollout(model, core, scorer: LlamaForward, items: list[dict], anchor_lists: 
     alpha = acceptance_rates(p, q_alpha)  # [N, K]
     q_tok = q.gather(-1, yv[..., None]).squeeze(-1)
     p_tok = p.gather(-1, yv[..., None]).squeeze(-1)
-    reward = exact_accepted(p_tok.detach(), q_tok.detach(), g).float()  # [N]
+    live = drafted(yv, eos_ids(scorer.target))
+    reward = exact_accepted(p_tok.detach(), q_tok.detach(), g, live).float()  # [N]
     tokens = int(sum(c.numel() for c in contexts) + reward.numel() * (k - 1))
-    expected = expected_accepted(alpha, p_tok, q_tok)
-    return Rollout(batch, plan, anchors, valid, yv, q_t, log_q, alpha, expected, reward, tokens)
+    terms = accepted_terms(alpha, p_tok, q_tok, live)
+    return Rollout(batch, plan, anchors, valid, yv, q_t, log_q, alpha, terms, terms.sum(1), reward, tokens)
+
+
+def eos_ids(target) -> Tensor:
+    if "eos_ids" not in target.derived:
+        target.derived["eos_ids"] = torch.tensor(eos_token_ids(target), dtype=torch.long)
+    return target.derived["eos_ids"]
 
 
 def acceptance_stats(expected: Tensor, reward: Tensor, alpha: Tensor, serve_t: float) -> dict:
@@ -263,10 +303,12 @@ def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None):
         r = rollout(model, core, scorer, items, anchor_lists, tc, k, serve_t, g, device)
         N = r.reward.numel()
         loss = -r.expected.mean()
+        logq_tok = r.log_q.gather(-1, r.y[..., None]).squeeze(-1)
+        if serve_t > 0:  # the blocks are draws from the head: their score term (value 0)
+            loss = loss - draw_score(r.terms, logq_tok).mean()
         if serve_t > 0 and tc.rl_pg_weight > 0:
             baseline = (r.reward.sum() - r.reward) / (N - 1) if N > 1 else torch.zeros_like(r.reward)
             decided = torch.arange(k, device=device)[None] <= r.reward[:, None]  # accepted tokens + the first rejected
-            logq_tok = r.log_q.gather(-1, r.y[..., None]).squeeze(-1)
             loss = loss + tc.rl_pg_weight * (-((r.reward - baseline)[:, None] * logq_tok * decided).sum(1)).mean()
         if tc.rl_kl_weight > 0:
             with torch.no_grad():
