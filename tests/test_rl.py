@@ -233,7 +233,7 @@ def test_the_rl_gradient_is_the_gradient_of_expected_accepted():
     true = grad(acceptance_rates(p1, q1) + (torch.minimum(p1, q1) * acceptance_rates(p2, q2)).sum())
     ours, pathwise = torch.zeros_like(true), torch.zeros_like(true)
     for y1, y2 in itertools.product(range(V), range(V)):
-        w = float(q1[y1] * q2[y1, y2])
+        w = float((q1[y1] * q2[y1, y2]).detach())
         alpha = torch.stack([acceptance_rates(p1, q1), acceptance_rates(p2[y1], q2[y1])])[None]
         q_tok = torch.stack([q1[y1], q2[y1, y2]])[None]
         terms = accepted_terms(alpha, torch.stack([p1[y1], p2[y1, y2]])[None], q_tok)
