@@ -95,6 +95,7 @@ class TrainConfig:
     # each step, train/chain.py) weigh 1 + this; 0 = every anchor alike
     temperature: TemperatureConfig = field(default_factory=TemperatureConfig)
     rl_kl_weight: float = 0.1  # KL anchor to the stage-1 head
+    rl_draw_score: bool = True  # RL at T > 0: the draws' score term in the gradient; false: pathwise alone (biased)
     rl_pg_weight: float = 0.0  # extra REINFORCE on the exact-rule accepted length (train/rl.py; 0.1 before 2026-12-06)
     rl_max_context: int = 256  # RL: context tokens the target re-reads per sequence (keeps the online forward cheap)
     rl_anchors: int = 16  # RL: draft blocks per sequence and step, all scored in the sequence's one target forward

@@ -304,7 +304,7 @@ def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None):
         N = r.reward.numel()
         loss = -r.expected.mean()
         logq_tok = r.log_q.gather(-1, r.y[..., None]).squeeze(-1)
-        if serve_t > 0:  # the blocks are draws from the head: their score term (value 0)
+        if serve_t > 0 and tc.rl_draw_score:  # the blocks are draws from the head: their score term (value 0)
             loss = loss - draw_score(r.terms, logq_tok).mean()
         if serve_t > 0 and tc.rl_pg_weight > 0:
             baseline = (r.reward.sum() - r.reward) / (N - 1) if N > 1 else torch.zeros_like(r.reward)
