@@ -100,7 +100,7 @@ class TrainConfig:
     rl_max_context: int = 256  # RL: context tokens the target re-reads per sequence (keeps the online forward cheap)
     rl_anchors: int = 16  # RL: draft blocks per sequence and step, all scored in the sequence's one target forward
     rl_anchor_policy: str = "uniform"  # RL: uniform over the answer | round_starts of the head's greedy chain
-    rl_temperature: Optional[float] = None  # RL: serving temperature to optimise; None = train.temperature.end; 0 = greedy
+    rl_temperature: Optional[float] = None  # RL: serving T to optimise; None = train.temperature.end; 0 = greedy
     rl_surrogate_temperature: float = 1.0  # RL at rl_temperature=0: the head's softmax T inside alpha (< 1 sharpens)
     replay_features: Optional[str] = None  # fine-tuning: a feature directory of general data to mix in
     replay_fraction: float = 0.0  # share of the training mixture drawn from replay_features
