@@ -18,7 +18,7 @@ from typing import Callable
 
 from data.chat import tokenize_chat, tokenize_text
 from data.features import MANIFEST, extract_features, merge_parts
-from data.readers import DOCUMENT_SOURCES, PROMPT_SOURCES, ReadStats, read_conversations, read_text_dir
+from data.readers import DOCUMENT_SOURCES, PROMPT_SOURCES, ReadStats, read_conversations, read_text_dir, text_files
 from data.regenerate import merge_parts as merge_regenerated
 from data.regenerate import record_files, regenerate, regeneration_totals
 from models.errors import DraftheadsError
@@ -49,13 +49,13 @@ def weights_identity(path: str | None, dtype: str) -> dict:
 
 
 def source_stamp(path: str | None) -> dict:
-    """What data.path holds, cheaply: bytes and modification time of the file (of every file under a directory,
-    digested), so data edited in place is other data rather than a stale cache. Empty without data.path (the
-    packaged copies), so their keys stay what they were."""
+    """What data.path holds, cheaply: bytes and modification time of the file (of every file a text directory's
+    reader reads, digested; not .git and the like), so data edited in place is other data rather than a stale cache.
+    Empty without data.path (the packaged copies), so their keys stay what they were."""
     if not path or not Path(path).expanduser().exists():
         return {}  # the reader names a missing path
     root = Path(path).expanduser()
-    files = sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else [root]
+    files = text_files(root) if root.is_dir() else [root]
     stats = [(str(f.relative_to(root)) if root.is_dir() else f.name, f.stat().st_size, f.stat().st_mtime_ns)
              for f in files]
     return {"path_files": {"files": len(stats), "bytes": sum(s[1] for s in stats), "sha256": _digest(stats)}}

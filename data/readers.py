@@ -244,6 +244,11 @@ def read_humaneval(path: str | None = None, stats: ReadStats | None = None) -> I
                "prompt": rec["prompt"]}
 
 
+def text_files(root: Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[Path]:
+    """The files a text corpus directory contributes, sorted by path."""
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
+
+
 def read_text_dir(path: str | Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES,
                   stats: ReadStats | None = None) -> Iterator[str]:
     """Documents (file contents) under a directory, sorted by path; unreadable files are counted and skipped."""
@@ -251,7 +256,7 @@ def read_text_dir(path: str | Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES,
     root = Path(path)
     if not root.is_dir():
         raise DraftheadsError(f"text corpus directory '{root}' does not exist; check the path")
-    for f in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes):
+    for f in text_files(root, suffixes):
         try:
             text = f.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):

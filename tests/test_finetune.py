@@ -104,14 +104,16 @@ def test_a_start_head_of_another_shape_is_refused_by_name(tiny_target, tmp_path)
     head lacks (or record a K it was not trained at); the error names each option and the head's value."""
     from models.errors import DraftheadsError
     from tests.test_trainer import make_cfg, tiny_features
-    from train.trainer import train_draft
+    from train.trainer import check_start, train_draft
 
-    save_draft(peagle_for_target(tiny_target, k=3), tmp_path / "start", tiny_target)
+    save_draft(peagle_for_target(tiny_target, k=3, parallel=False), tmp_path / "start", tiny_target)  # eagle3
     cfg = make_cfg(tmp_path / "run", steps=2)
-    cfg.draft.init_from, cfg.draft.k, cfg.draft.family = str(tmp_path / "start"), 5, "eagle3"
-    with pytest.raises(DraftheadsError, match=r"draft.family=eagle3 \(the head's: peagle\), draft.k=5 \(the head's: "
+    cfg.draft.init_from, cfg.draft.k, cfg.draft.parallel = str(tmp_path / "start"), 5, True
+    with pytest.raises(DraftheadsError, match=r"draft.parallel=True \(the head's: False\), draft.k=5 \(the head's: "
                                               r"3\); set those to the head's"):
         train_draft(cfg, tiny_target, tiny_features(tiny_target), tmp_path / "run")
+    cfg.draft.k, cfg.draft.parallel = 3, False  # family=peagle, parallel=false: the eagle3 head it is
+    assert check_start(load_draft(tmp_path / "start", tiny_target), cfg.draft, "start").family_name == "eagle3"
     cfg.draft.init_from, cfg.draft.vocab_extend = None, 8
     with pytest.raises(DraftheadsError, match="draft.vocab_extend=8 extends an existing head's draft vocabulary"):
         train_draft(cfg, tiny_target, tiny_features(tiny_target), tmp_path / "run")
@@ -131,5 +133,5 @@ def test_a_start_head_retrained_in_place_is_another_start(tiny_target, tmp_path)
     train_draft(cfg, tiny_target, tiny_features(tiny_target), tmp_path / "run")
     train_draft(cfg, tiny_target, tiny_features(tiny_target), tmp_path / "run")  # unchanged: done
     save_draft(peagle_for_target(tiny_target, k=3), tmp_path / "start", tiny_target)  # other weights, same path
-    with pytest.raises(DraftheadsError, match="came from other settings \\(start: "):
+    with pytest.raises(DraftheadsError, match="came from other settings \\(start_weights: "):
         train_draft(cfg, tiny_target, tiny_features(tiny_target), tmp_path / "run")

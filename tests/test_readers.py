@@ -224,3 +224,20 @@ def test_data_edited_in_place_is_other_data(tiny_target, tmp_path):
         prepare_data(tiny_target, tmp_path / "data", d)
     d.path = str(tmp_path / "missing.jsonl")
     assert "path_files" not in data_settings(d, tiny_target.fingerprint, 0)  # the reader names it
+
+
+def test_a_text_corpus_is_stamped_by_the_files_it_reads(tmp_path):
+    """A code checkout as data.path: a .git file that changes is not data, a .py file that changes is."""
+    import os
+
+    from data.prepare import source_stamp
+
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "index").write_text("a")
+    (tmp_path / "m.py").write_text("x = 1\n")
+    before = source_stamp(str(tmp_path))
+    (tmp_path / ".git" / "index").write_text("bb")
+    assert source_stamp(str(tmp_path)) == before
+    (tmp_path / "m.py").write_text("x = 2\n")
+    os.utime(tmp_path / "m.py", ns=(0, 10**18))
+    assert source_stamp(str(tmp_path)) != before

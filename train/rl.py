@@ -22,8 +22,8 @@ One step, for B sequences of the feature set:
         baseline = mean R of the other blocks of the step (stateless, so resume stays exact): optional, 0 by
         default (it misses R's pathwise part, so it is not E[R]'s gradient either)
       - rl_kl_weight * KL(q_stage1 || q)  (anchor to the stage-1 head).
-The serving temperature is train.rl_temperature, else the schedule's end (stage 1's last; training and validation
-alike: the schedule is a distillation device, not a serving one). At 0
+The serving temperature is train.rl_temperature, else train.temperature.end (training and validation alike: the
+schedule is a distillation device, not a serving one). At 0
 (greedy serving) blocks are the head's argmax and p is one-hot at the target's argmax, so alpha_k = q_k(target argmax)
 with q at train.rl_surrogate_temperature: 1 is the head's own distribution; below 1 alpha approaches the 0/1 greedy
 acceptance and its gradient concentrates on near misses (the target's token just below the head's argmax), the

@@ -470,12 +470,12 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
 
     data_id = data_identity(everything)
     domain = dataset.first if isinstance(dataset, Concat) else dataset  # without the replayed general sequences
-    if domain is not dataset:  # re-extracted replay features are other data too
-        data_id = f"{data_id}; replay {data_identity(dataset.second.dataset)}"
+    # keys newer than a run's recorded settings count as equal there (check_settings): older runs still resume
+    replay = {"replay_data": data_identity(dataset.second.dataset)} if domain is not dataset else {}
     if "soft_label" in tc.stages:
         stage_dir = out / "head_soft_label"
-        settings = stage_settings(cfg, "soft_label", data_id, dc.init_from and _head_identity(dc.init_from),
-                                  accelerator.num_processes)
+        settings = stage_settings(cfg, "soft_label", data_id, dc.init_from, accelerator.num_processes) | replay | \
+            ({"start_weights": _head_identity(dc.init_from)} if dc.init_from else {})
         finished = (stage_dir / "config.json").is_file() and tc.resume
         if finished and (stage_dir / "settings.json").is_file():
             check_settings(stage_dir / "settings.json", settings, f"the stage-1 head in '{stage_dir}'")
@@ -512,7 +512,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
         if not start:
             raise DraftheadsError("train.stages=[rl] needs draft.init_from=DIR (a stage-1 head) to start from")
         head = _trainable(check_start(load_draft(start, target), dc, start), tc)
-        settings = stage_settings(cfg, "rl", data_id, _head_identity(start), accelerator.num_processes)
+        settings = stage_settings(cfg, "rl", data_id, _head_identity(start), accelerator.num_processes) | replay
         finished, state, metrics = train_rl(cfg, head, target, dataset, holdout, out, log, accelerator, stop_at_step,
                                             fill, settings)
         accelerator.free_memory()
@@ -642,8 +642,13 @@ def _initial_head(dc, target, dataset):
 def check_start(head, dc, where):
     """A head a run starts from (draft.init_from) has the run's family, K and depth: the loss and the τ table follow
     draft.*, so a head of another shape would train depths it lacks or record a K it was not trained at."""
-    asked = {"draft.family": dc.family, "draft.k": dc.k, "draft.num_layers": dc.num_layers}
-    has = {"draft.family": head.family_name, "draft.k": head.k, "draft.num_layers": head.config.get("num_layers")}
+    from models.families import family
+
+    asked = {"draft.family": dc.family, "draft.parallel": dc.parallel, "draft.k": dc.k,
+             "draft.num_layers": dc.num_layers}
+    has = {"draft.family": dc.family if isinstance(head, family(dc.family).head) else head.family_name,
+           "draft.parallel": head.config.get("parallel"),  # P-EAGLE's class: peagle (true) or eagle3 (false)
+           "draft.k": head.k, "draft.num_layers": head.config.get("num_layers")}
     diff = [f"{k}={asked[k]} (the head's: {has[k]})" for k in asked if has[k] is not None and has[k] != asked[k]]
     if diff:
         raise DraftheadsError(f"draft.init_from '{where}' is another shape of head than the run asks for: "
