@@ -37,8 +37,8 @@ def test_each_point_has_its_own_run_and_the_data_is_prepared_once(multirun):
     assert starts == [1.0, 2.0]
     assert stdout.count("[draftheads] data: ready in") == 1  # the second point reuses the first one's data
     assert (points[0] / "data").resolve() == (points[1] / "data").resolve()
-    assert sorted(p.name for p in (root / "data").iterdir()) == sorted([(points[0] / "data").resolve().name,
-                                                                        "regenerated"])  # one data dir, one text
+    shared = sorted([(points[0] / "data").resolve().name, "regenerated", ".lock"])  # one data dir, one text, the lock
+    assert sorted(p.name for p in (root / "data").iterdir()) == shared
     assert len(list((root / "data" / "regenerated").glob("*.jsonl"))) == 1
     heads = [(p / "head" / "model.safetensors").read_bytes() for p in points]
     assert heads[0] != heads[1]  # a changed setting is never served by a stale stage
