@@ -74,7 +74,7 @@ def data_settings(d, fingerprint: dict, seed: int, weights: dict | None = None) 
     regen_target = {k: fingerprint[k] for k in ("name", "tokenizer_hash")}
     if weights and "path" in weights:
         regen_target["path"] = weights["path"]
-    regen = {k: keep[k] for k in REGEN_SHAPING + ("seed",)} | {k: keep[k] for k in ("path_files",) if k in keep}
+    regen = {k: keep[k] for k in REGEN_SHAPING + ("seed", "path_files") if k in keep}
     keep["regen_sha256"] = _digest({**regen, "target": regen_target})
     return keep
 

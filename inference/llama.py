@@ -10,7 +10,6 @@ Reproduces `target.model` logits in float32 (tests/test_runtime.py::test_llama_m
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor

@@ -529,12 +529,11 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     return out / "head"
 
 
-def _weights_of(cfg) -> dict | None:
-    """The run's target weights as the data stage records them (None for configs without a target section)."""
+def _weights_of(cfg) -> dict:
+    """The run's target weights as the data stage records them."""
     from data.prepare import weights_identity
 
-    t = cfg.get("target") if hasattr(cfg, "get") else None
-    return None if t is None or not t.get("name") else weights_identity(t.get("path"), t.get("dtype", "float32"))
+    return weights_identity(cfg.target.path, cfg.target.dtype)
 
 
 def _keep_best_key(tc) -> str:

@@ -43,8 +43,8 @@ class DraftSource(Protocol):
 
     def reset(self) -> None:
         """Forget per-request state (called before each new prompt). A source that samples its drafts also has
-        `seed_draws(seed)`: `reset_source` passes it the run's seed, so the draws follow the run, not the source's
-        history."""
+        `seed_draws(seed)`: `reset_source` passes it the run's seed (through a combined source's `sources`), so the
+        draws follow the run, not the source's history."""
 
     def propose(self, ctx: DraftContext, k: int, sampling: SamplingConfig) -> Draft:
         """Up to k draft tokens continuing ctx.tokens, sampled under `sampling` (greedy if temperature 0)."""
@@ -54,8 +54,14 @@ def reset_source(source, seed: int) -> None:
     """Before a run: the source forgets per-request state and, where it samples, draws from the run's seed (the
     runtime mixes in the request's index for per-request sources: requests of one batch draw independently)."""
     source.reset()
+    _seed_draws(source, seed)
+
+
+def _seed_draws(source, seed: int) -> None:
     if hasattr(source, "seed_draws"):
         source.seed_draws(seed)
+    for member in getattr(source, "sources", ()):  # first: / select: sources
+        _seed_draws(member, seed)
 
 
 def mix_seeds(*seeds: int) -> int:

@@ -24,11 +24,6 @@ class FirstSource:
         for s in self.sources:
             s.reset()
 
-    def seed_draws(self, seed: int) -> None:
-        for s in self.sources:
-            if hasattr(s, "seed_draws"):
-                s.seed_draws(seed)
-
     def propose(self, ctx: DraftContext, k: int, sampling: SamplingConfig) -> Draft:
         draft = None
         for source in self.sources:

@@ -32,11 +32,6 @@ class SelectSource:
         for s in self.sources:
             s.reset()
 
-    def seed_draws(self, seed: int) -> None:
-        for s in self.sources:
-            if hasattr(s, "seed_draws"):
-                s.seed_draws(seed)
-
     def propose(self, ctx: DraftContext, k: int, sampling: SamplingConfig) -> Draft:
         i = self.selector.choose()
         t0 = time.perf_counter()
