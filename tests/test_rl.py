@@ -254,3 +254,20 @@ def test_nothing_counts_after_a_drafted_end_of_turn():
     ones = torch.ones(3, 4)
     assert accepted_terms(ones, ones, ones, live).sum(1).tolist() == [2.0, 4.0, 1.0]
     assert exact_accepted(ones, ones, torch.Generator().manual_seed(0), live).tolist() == [2, 4, 1]
+
+
+def test_depth_acceptance_stats_count_drafted_depths_only():
+    """alpha_k is averaged over the blocks that draft depth k: a block cut by an end of turn does not pull it down."""
+    from types import SimpleNamespace
+
+    from train.loop import Tally
+    from train.rl import acceptance_stats, drafted
+
+    y = torch.tensor([[5, 2, 7, 8], [5, 6, 7, 2], [2, 2, 2, 2]])
+    alpha = torch.tensor([[0.5, 0.4, 0.0, 0.0], [0.3, 0.2, 0.6, 0.9], [0.1, 0.0, 0.0, 0.0]])
+    r = SimpleNamespace(alpha=alpha, live=drafted(y, torch.tensor([2])), reward=torch.zeros(3),
+                        expected=torch.zeros(3))
+    tally = Tally()
+    tally.update(acceptance_stats(r, 1.0))
+    means = tally.means()
+    assert [round(means[f"alpha_{d}"], 6) for d in range(1, 5)] == [0.3, 0.3, 0.6, 0.9]

@@ -198,6 +198,7 @@ class Rollout:
     q_t: float  # the head's softmax temperature in log_q: the serving T, or 1 when serving greedily
     log_q: Tensor  # [N, K, V] the head's log-probs at q_t; grads when enabled
     alpha: Tensor  # [N, K] sum_v min(p_k, q_k)
+    live: Tensor  # [N, K] depth k is drafted (no end of turn drawn before it)
     terms: Tensor  # [N, K] alpha_k prod_{i<k} min(1, p_i/q_i) on the drawn tokens (0 past an end of turn)
     expected: Tensor  # [N] their sum: E[accepted]
     reward: Tensor  # [N] tokens accepted by the exact rule
@@ -254,7 +255,7 @@ def rollout(model, core, scorer: LlamaForward, items: list[dict], anchor_lists: 
     reward = exact_accepted(p_tok.detach(), q_tok.detach(), g, live).float()  # [N]
     tokens = int(sum(c.numel() for c in contexts) + reward.numel() * (k - 1))
     terms = accepted_terms(alpha, p_tok, q_tok, live)
-    return Rollout(batch, plan, anchors, valid, yv, q_t, log_q, alpha, terms, terms.sum(1), reward, tokens)
+    return Rollout(batch, plan, anchors, valid, yv, q_t, log_q, alpha, live, terms, terms.sum(1), reward, tokens)
 
 
 def eos_ids(target) -> Tensor:
@@ -263,13 +264,19 @@ def eos_ids(target) -> Tensor:
     return target.derived["eos_ids"]
 
 
-def acceptance_stats(expected: Tensor, reward: Tensor, alpha: Tensor, serve_t: float) -> dict:
-    """Means over blocks: expected [N], reward [N], alpha [N, K] -> blocks, reward, expected_accepted, alpha_1..K."""
-    stats = {"blocks": int(reward.numel()), "reward": float(reward.mean()),
-             "expected_accepted": float(expected.detach().mean()), "serve_temperature": serve_t}
-    for d in range(alpha.shape[1]):
-        stats[f"alpha_{d + 1}"] = float(alpha[:, d].detach().mean())
-    return stats
+def acceptance_stats(r: Rollout, serve_t: float) -> dict:
+    """Means over blocks: blocks, reward, expected_accepted, and alpha_1..K over the blocks that draft depth k (a
+    (sum, count) pair: NaN-free when an end of turn cut every block before it)."""
+    stats = {"blocks": int(r.reward.numel()), "reward": float(r.reward.mean()),
+             "expected_accepted": float(r.expected.detach().mean()), "serve_temperature": serve_t}
+    return stats | alpha_sums(r, "alpha_")
+
+
+def alpha_sums(r: Rollout, prefix: str) -> dict:
+    """{prefix + k: (sum of alpha_k, blocks that draft depth k)}."""
+    kept = (r.alpha.detach() * r.live).sum(0)
+    count = r.live.sum(0)
+    return {f"{prefix}{d + 1}": (float(kept[d]), float(count[d])) for d in range(r.alpha.shape[1])}
 
 
 def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None):
@@ -308,7 +315,7 @@ def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None):
             loss = loss - draw_score(r.terms, logq_tok).mean()
         if serve_t > 0 and tc.rl_pg_weight > 0:
             baseline = (r.reward.sum() - r.reward) / (N - 1) if N > 1 else torch.zeros_like(r.reward)
-            decided = torch.arange(k, device=device)[None] <= r.reward[:, None]  # accepted tokens + the first rejected
+            decided = (torch.arange(k, device=device)[None] <= r.reward[:, None]) & r.live  # accepted + first rejected
             loss = loss + tc.rl_pg_weight * (-((r.reward - baseline)[:, None] * logq_tok * decided).sum(1)).mean()
         if tc.rl_kl_weight > 0:
             with torch.no_grad():
@@ -317,7 +324,7 @@ def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None):
             ref_p = ref_logp.exp()  # 0 outside a draft vocabulary, where both log-probs are -inf
             kl = torch.where(ref_p > 0, ref_p * (ref_logp - r.log_q), torch.zeros_like(ref_p)).sum(-1)  # [N, K]
             loss = loss + tc.rl_kl_weight * kl.mean()
-        return loss, {"tokens": r.tokens, **acceptance_stats(r.expected, r.reward, r.alpha, serve_t)}
+        return loss, {"tokens": r.tokens, **acceptance_stats(r, serve_t)}
 
     return step_fn
 
@@ -352,8 +359,7 @@ def rl_validation_fn(head, target, holdout, tc, k: int, device, fill=None):
                 tally.add("val_blocks", n)
                 tally.add("val_expected_accepted", float(r.expected.sum()), n)
                 tally.add("val_reward", float(r.reward.sum()), n)
-                for d in range(k):
-                    tally.add(f"val_alpha_{d + 1}", float(r.alpha[:, d].sum()), n)
+                tally.update(alpha_sums(r, "val_alpha_"))
         means = shard.reduce(tally)
         if not means.get("val_blocks"):
             raise _no_anchor_error(tc, "held-out ")
