@@ -16,6 +16,7 @@ tells them apart by their config.json and summarises theirs in the same shape (l
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -154,6 +155,10 @@ def load_draft(directory, target, device=None, k: int | None = None):
             import_sglang(directory, target, k)
         return head.to(device=device or target.device)
     target.check_fingerprint(config["target"], f"draft head '{directory}'", keys=CHECKED_KEYS)
+    if config["target"].get("name") != target.name:  # same vocabulary and sizes: another fine-tune, or a moved path
+        warnings.warn(f"draft head '{directory}' was trained on target '{config['target'].get('name')}' and is loaded "
+                      f"onto '{target.name}' (same tokenizer and sizes): acceptance may be lower; retrain or fine-tune "
+                      "it on this target (draft.init_from) if this is another model")
     state = read_weights(Path(directory))
     return head_from_state(config["family"], config["sizes"], state, target, f"draft checkpoint '{directory}'", device)
 

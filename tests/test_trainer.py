@@ -199,6 +199,9 @@ def test_checkpoint_refuses_a_foreign_target(tiny_target, tmp_path):
         load_draft(tmp_path / "h", other_layers)
     with pytest.raises(DraftheadsError, match="not a draft checkpoint"):
         load_draft(tmp_path, tiny_target)
+    renamed = Target(tiny_target.model, tiny_target.tokenizer, "tiny-finetune")  # same sizes and tokenizer
+    with pytest.warns(UserWarning, match="trained on target 'tiny-random-llama' and is loaded onto 'tiny-finetune'"):
+        load_draft(tmp_path / "h", renamed)
 
 
 @pytest.mark.parametrize("family", ["peagle", "medusa"])
