@@ -271,3 +271,28 @@ def test_depth_acceptance_stats_count_drafted_depths_only():
     tally.update(acceptance_stats(r, 1.0))
     means = tally.means()
     assert [round(means[f"alpha_{d}"], 6) for d in range(1, 5)] == [0.3, 0.3, 0.6, 0.9]
+
+
+def test_rl_keeps_training_a_dspark_confidence_head(tiny_target):
+    """A DSpark head's confidence c_k learns, during RL too, the acceptance of the blocks it drafts: its label is
+    alpha_k at T=1 (at serving T=1 the objective's own alpha), and the BCE reaches the confidence weights."""
+    from inference.llama import compact_forward
+    from train.rl import rl_step_fn, rollout
+
+    torch.manual_seed(0)
+    head = dspark_for_target(tiny_target, k=K)
+    items = [it for it in held_out(tiny_target) if pick_anchors(it, 4, 30, torch.Generator())]
+    tc = rl_train_cfg(rl_temperature=1.0, rl_kl_weight=0.0)
+    g = torch.Generator().manual_seed(0)
+    r = rollout(head, head, compact_forward(tiny_target), items[:2], [pick_anchors(it, 4, 30, g) for it in items[:2]],
+                tc, K, 1.0, g, tiny_target.device)
+    assert r.confidence.shape == r.alpha.shape
+    torch.testing.assert_close(r.survive, r.alpha.detach())
+    loss, stats = rl_step_fn(head, None, tiny_target, items, tc, K, tiny_target.device)(head, 0, 1.0)
+    loss.backward()
+    assert stats["confidence_loss"] > 0 and head.confidence.weight.grad.abs().sum() > 0
+    head.zero_grad(set_to_none=True)
+    tc.confidence_weight = 0.0
+    loss, stats = rl_step_fn(head, None, tiny_target, items, tc, K, tiny_target.device)(head, 0, 1.0)
+    loss.backward()
+    assert "confidence_loss" not in stats and head.confidence.weight.grad is None

@@ -21,7 +21,9 @@ One step, for B sequences of the feature set:
       + rl_pg_weight * REINFORCE on R = tokens accepted by the exact rule (min(1, p/q) then first rejection),
         baseline = mean R of the other blocks of the step (stateless, so resume stays exact): optional, 0 by
         default (it misses R's pathwise part, so it is not E[R]'s gradient either)
-      - rl_kl_weight * KL(q_stage1 || q)  (anchor to the stage-1 head).
+      - rl_kl_weight * KL(q_stage1 || q)  (anchor to the stage-1 head)
+      + confidence_weight * BCE(c_k, alpha_k at T=1) for heads with a confidence head (DSpark): the head it gates
+        draft lengths with keeps learning the acceptance of the drafts RL changes, on the blocks themselves.
 The serving temperature is train.rl_temperature, else train.temperature.end (training and validation alike: the
 schedule is a distillation device, not a serving one). At 0
 (greedy serving) blocks are the head's argmax and p is one-hot at the target's argmax, so alpha_k = q_k(target argmax)
@@ -199,6 +201,8 @@ class Rollout:
     log_q: Tensor  # [N, K, V] the head's log-probs at q_t; grads when enabled
     alpha: Tensor  # [N, K] sum_v min(p_k, q_k)
     live: Tensor  # [N, K] depth k is drafted (no end of turn drawn before it)
+    confidence: Tensor | None  # [N, K] a DSpark head's confidence logits (grads when enabled), else None
+    survive: Tensor | None  # [N, K] their label: sum_v min(p_k, q_k) at T=1 on the full vocabulary
     terms: Tensor  # [N, K] alpha_k prod_{i<k} min(1, p_i/q_i) on the drawn tokens (0 past an end of turn)
     expected: Tensor  # [N] their sum: E[accepted]
     reward: Tensor  # [N] tokens accepted by the exact rule
@@ -238,12 +242,28 @@ def rollout(model, core, scorer: LlamaForward, items: list[dict], anchor_lists: 
 
     # 3. the frozen target scores each sequence's context + blocks in one forward
     contexts = [it["input_ids"][: max(a) + 2].to(device) for it, a in zip(items, anchor_lists)]
-    p = sampling.probs(score_blocks(scorer, contexts, anchors, y)[valid])  # [N, K, V] at T (one-hot at 0)
+    target_logits = score_blocks(scorer, contexts, anchors, y)[valid]  # [N, K, V]
+    p = sampling.probs(target_logits)  # at T (one-hot at 0)
+    confident = tc.confidence_weight > 0 and hasattr(core, "confidence_logit")
+    p_one = (p if serve_t == 1.0 else F.softmax(target_logits.float(), -1)) if confident else None
+    del target_logits
 
     # 4. the head's q on the sampled tokens (training == inference numerics)
     batch, plan = block_batch(items, contexts, anchors, valid, y)
     q_t = serve_t if serve_t > 0 else 1.0  # greedy serving: the head's own distribution (KL, REINFORCE)
-    logits = model(batch, plan, lambda head, out: block_logits(head, out, anchors, valid, k))  # [N, K, V]
+
+    def objective(head, out):
+        logits = block_logits(head, out, anchors, valid, k)  # [N, K, V]
+        if not confident:
+            return logits, None
+        return logits, block_rows(head.confidence_logit(out.hidden, out.depth).float(), out, anchors, valid, k)
+
+    logits, confidence = model(batch, plan, objective)
+    survive = None
+    if confident:
+        with torch.no_grad():
+            survive = acceptance_rates(p_one, F.softmax(logits.detach(), -1))
+        del p_one
     log_q = F.log_softmax(logits / q_t, -1)
     q = log_q.exp()
     q_alpha = q if serve_t > 0 else F.softmax(logits / tc.rl_surrogate_temperature, -1)
@@ -255,7 +275,8 @@ def rollout(model, core, scorer: LlamaForward, items: list[dict], anchor_lists: 
     reward = exact_accepted(p_tok.detach(), q_tok.detach(), g, live).float()  # [N]
     tokens = int(sum(c.numel() for c in contexts) + reward.numel() * (k - 1))
     terms = accepted_terms(alpha, p_tok, q_tok, live)
-    return Rollout(batch, plan, anchors, valid, yv, q_t, log_q, alpha, live, terms, terms.sum(1), reward, tokens)
+    return Rollout(batch, plan, anchors, valid, yv, q_t, log_q, alpha, live, confidence, survive, terms, terms.sum(1),
+                   reward, tokens)
 
 
 def eos_ids(target) -> Tensor:
@@ -324,7 +345,13 @@ def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None):
             ref_p = ref_logp.exp()  # 0 outside a draft vocabulary, where both log-probs are -inf
             kl = torch.where(ref_p > 0, ref_p * (ref_logp - r.log_q), torch.zeros_like(ref_p)).sum(-1)  # [N, K]
             loss = loss + tc.rl_kl_weight * kl.mean()
-        return loss, {"tokens": r.tokens, **acceptance_stats(r, serve_t)}
+        stats = {"tokens": r.tokens, **acceptance_stats(r, serve_t)}
+        if r.confidence is not None:  # DSpark: the confidence head follows the drafts RL changes
+            bce = F.binary_cross_entropy_with_logits(r.confidence, r.survive, reduction="none")
+            confidence_loss = (bce * r.live).sum() / r.live.sum().clamp(min=1)
+            loss = loss + tc.confidence_weight * confidence_loss
+            stats["confidence_loss"] = float(confidence_loss.detach())
+        return loss, stats
 
     return step_fn
 
@@ -399,14 +426,18 @@ def block_batch(items: list[dict], contexts: list[Tensor], anchors: Tensor, vali
 
 
 def block_logits(core, out, anchors: Tensor, valid: Tensor, k: int) -> Tensor:
-    """The head's full-vocabulary logits [N, K, V] per valid block (row-major (b, m) order) from train_forward's rows."""
+    """The head's full-vocabulary logits [N, K, V] per valid block from train_forward's rows."""
+    return block_rows(core.full_vocab_logits(core.logits_for(out.hidden, out.depth).float()), out, anchors, valid, k)
+
+
+def block_rows(values: Tensor, out, anchors: Tensor, valid: Tensor, k: int) -> Tensor:
+    """values [rows, ...], one per train_forward row -> [N, K, ...] per valid block (row-major (b, m) order)."""
     M = anchors.shape[1]
     m = (anchors[out.batch_index] < out.anchor[:, None]).sum(1)  # first column of the row's anchor
     order = ((out.batch_index * M + m) * k + out.depth - 1).argsort()
-    logits = core.full_vocab_logits(core.logits_for(out.hidden, out.depth).float())[order]
-    if logits.shape[0] != int(valid.sum()) * k:
-        raise DraftheadsError(f"RL plan gave {logits.shape[0]} draft rows for {int(valid.sum())} blocks of {k}")
-    return logits.view(-1, k, logits.shape[-1])
+    if values.shape[0] != int(valid.sum()) * k:
+        raise DraftheadsError(f"RL plan gave {values.shape[0]} draft rows for {int(valid.sum())} blocks of {k}")
+    return values[order].view(-1, k, *values.shape[1:])
 
 
 def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, stop_at_step=None, fill=None,
