@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
@@ -286,7 +287,8 @@ def check_config(cfg) -> None:
 
     family_options(cfg.draft.family, cfg.draft.extra)
     d, e = cfg.data, cfg.eval
-    same_set = e.domain_prompts is not None and e.domain_prompts in (d.source, d.path)
+    same_set = e.domain_prompts is not None and (e.domain_prompts == d.source or (d.path is not None and (
+        Path(e.domain_prompts).resolve() == Path(d.path).resolve())))
     if same_set and e.domain_skip < d.skip_records + d.max_records:
         raise DraftheadsError(f"eval.domain_skip={e.domain_skip} rates the head on records of '{e.domain_prompts}' it "
                               f"trained on (data.skip_records + data.max_records = {d.skip_records + d.max_records}); "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -34,16 +35,24 @@ def _results(path: str) -> dict:
         raise DraftheadsError(f"'{path}' is not an eval.acceptance results JSON ({e}); pass the --out file of a run") from None
 
 
-def turn_counts(results: dict, category: str | None = None) -> dict[tuple, tuple[int, int]]:
+def turn_counts(results: dict, category: str | None = None, what: str = "the results") -> dict[tuple, tuple[int, int]]:
     """(question_id, turn) -> (tokens, rounds) of one acceptance run's results (of one category's questions)."""
-    return {(r["question_id"], r["turn"]): (r["tokens"], r["rounds"]) for r in results["turns"]
-            if category is None or r["category"] == category}
+    counts = {}
+    for r in results["turns"]:
+        key = (r["question_id"], r["turn"])
+        if key in counts:
+            raise DraftheadsError(f"{what} hold question_id {key[0]!r} (turn {key[1]}) twice: its prompts file repeats "
+                                  "an id, so questions cannot be paired; give every prompt a unique question_id")
+        if category is None or r["category"] == category:
+            counts[key] = (r["tokens"], r["rounds"])
+    return counts
 
 
 def prompts_identity(results: dict) -> str:
     """The sha256 of the prompts file a run read ('' for a run that did not record it)."""
     request = results.get("request", {})
-    return request.get("files", {}).get(request.get("prompts"), "")
+    prompts = request.get("prompts")
+    return request.get("files", {}).get(str(Path(prompts)) if prompts else None, "")  # keyed as eval.acceptance wrote
 
 
 def check_comparable(before_path: str, after_path: str, before_results: dict, after_results: dict) -> None:
@@ -71,7 +80,8 @@ def tau_difference(pairs: list[tuple[str, str]], draws: int = 1000, seed: int = 
     for before_path, after_path in pairs:
         before_results, after_results = _results(before_path), _results(after_path)
         check_comparable(before_path, after_path, before_results, after_results)
-        before, after = turn_counts(before_results, category), turn_counts(after_results, category)
+        before = turn_counts(before_results, category, f"'{before_path}'")
+        after = turn_counts(after_results, category, f"'{after_path}'")
         if set(before) != set(after):
             raise DraftheadsError(f"'{before_path}' and '{after_path}' cover different prompts/turns; rerun both with "
                                   "the same --prompts, --categories and --limit")

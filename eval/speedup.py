@@ -144,6 +144,9 @@ def _run(args: argparse.Namespace) -> tuple[dict, bool]:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise DraftheadsError(f"--modes {','.join(unknown)} unknown; pick from {','.join(MODES)}")
+    if args.check_lossless and not {"plain", "spec"} <= set(modes):
+        raise DraftheadsError(f"--check-lossless compares spec with plain outputs; --modes {args.modes} lacks one: add "
+                              "plain,spec to --modes")
     if args.check_lossless and args.temperature > 0:
         raise DraftheadsError("--check-lossless compares with plain greedy decoding; use it with --temperature 0")
     target = random_smollm2_shape(args.dtype, args.device) if args.target == RANDOM_TARGET else \

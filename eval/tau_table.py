@@ -47,8 +47,9 @@ def evaluate(cfg, sources: list[tuple[str, str]], out: Path, target, workers: Wo
     threads = cfg.runtime.threads if threads is None else threads
     suites = [(e.categories or Path(e.prompts).stem, e.prompts, e.categories, 0, e.limit)]
     if e.domain_prompts:
-        suites.append((Path(e.domain_prompts).stem, e.domain_prompts, e.domain_categories, e.domain_skip,
-                       e.domain_limit))
+        name = Path(e.domain_prompts).stem
+        suites.append((name if name != suites[0][0] else f"{name}_domain", e.domain_prompts, e.domain_categories,
+                       e.domain_skip, e.domain_limit))  # its own directory when both sets read one file
     rows = []
     for suite, prompts, categories, skip, limit in suites:
         for label, source in sources:

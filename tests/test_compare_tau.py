@@ -65,3 +65,16 @@ def test_runs_with_other_settings_are_refused(tmp_path):
         after = write(tmp_path / "a.json", counts, request={**request, **change})
         with pytest.raises(DraftheadsError, match=f"were run with other settings \\({name}"):
             tau_difference([(before, after)])
+    # the prompts path as typed ("./p.jsonl") is found under the key eval.acceptance writes ("p.jsonl")
+    dotted = {**request, "prompts": "./p.jsonl"}
+    before = write(tmp_path / "b2.json", counts, request=dotted)
+    after = write(tmp_path / "a2.json", counts, request={**dotted, "files": {"p.jsonl": "def"}})
+    with pytest.raises(DraftheadsError, match="the prompts file's content"):
+        tau_difference([(before, after)])
+
+
+def test_a_repeated_question_id_is_refused(tmp_path):
+    turns = [{"question_id": 1, "turn": 0, "tokens": 60, "rounds": 40, "category": c} for c in ("math", "coding")]
+    (tmp_path / "b.json").write_text(json.dumps({"turns": turns}))
+    with pytest.raises(DraftheadsError, match="b.json' hold question_id 1 \\(turn 0\\) twice"):
+        tau_difference([(str(tmp_path / "b.json"), str(tmp_path / "b.json"))])

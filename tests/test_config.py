@@ -104,6 +104,10 @@ def test_a_fine_tune_is_never_rated_on_the_problems_it_trained_on():
                                                         "'humaneval' it trained on (data.skip_records + "
                                                         "data.max_records = 124); set eval.domain_skip=124")):
         check_config(_compose(["+experiment=finetune_code", "eval.domain_skip=100"]))
+    spelled = ["data.source=prompt_jsonl", "data.path=eval/data/spec_bench_dev.jsonl", "data.max_records=40",
+               "eval.domain_prompts=./eval/data/../data/spec_bench_dev.jsonl", "eval.domain_skip=10"]
+    with pytest.raises(DraftheadsError, match="eval.domain_skip=10 rates the head on records"):  # the same file
+        check_config(_compose(["+experiment=finetune_code", *spelled]))
 
 
 @pytest.mark.parametrize("override,message", [

@@ -35,6 +35,8 @@ def test_acceptance_refuses_bad_numbers(flags, message, tmp_path, capsys):
     (["--k", "0"], "--k=0 must be in [1, 64]"), (["--batch", "0"], "--batch=0 must be >= 1"),
     (["--repeats", "0"], "--repeats=0 must be >= 1"), (["--max-new", "0"], "--max-new=0 must be >= 1"),
     (["--temperature", "nan"], "--temperature=nan must be >= 0"), (["--limit", "-1"], "--limit=-1 must be >= 1"),
+    (["--modes", "spec", "--check-lossless"],
+     "--check-lossless compares spec with plain outputs; --modes spec lacks one: add plain,spec to --modes"),
 ])
 def test_speedup_refuses_bad_numbers(flags, message, capsys):
     assert speedup.main(["--prompts", PROMPTS, *flags]) == 2
