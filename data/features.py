@@ -77,6 +77,8 @@ def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out
         raise _changed(out, start, len(mine))
     prefix = "shard" if world == 1 else f"shard_r{rank}-of-{world}"
     todo = mine[start:]
+    if todo:  # an extension (more records) is incomplete until its last shard: a kill must not leave "complete"
+        manifest["complete"] = False
     new_tokens, t0 = 0, time.perf_counter()
     tokens_todo = sum(len(ids) for ids, _ in todo)
     _check_space(out, tokens_todo * _bytes_per_token(target, hidden, dtype))

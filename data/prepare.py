@@ -90,8 +90,10 @@ def ready_report(out_dir: str | Path, settings: dict) -> dict | None:
         report = json.loads((out / "data_report.json").read_text())
         if report.get("settings", {}).get("sha256") != settings["sha256"]:
             return None
-        if settings["features"] != "none" and not json.loads((out / "features" / MANIFEST).read_text())["complete"]:
-            return None
+        manifest = json.loads((out / "features" / MANIFEST).read_text()) if settings["features"] != "none" else None
+        if manifest is not None and not (manifest["complete"] and
+                                         manifest["sequences_done"] == report["tokenize"]["sequences"]):
+            return None  # unfinished, or extended past this report by a later (killed) run
     except (OSError, ValueError, KeyError):  # missing or damaged: the data stage checks (and resumes) everything
         return None
     return report

@@ -241,3 +241,43 @@ def test_a_text_corpus_is_stamped_by_the_files_it_reads(tmp_path):
     (tmp_path / "m.py").write_text("x = 2\n")
     os.utime(tmp_path / "m.py", ns=(0, 10**18))
     assert source_stamp(str(tmp_path)) != before
+
+
+def test_a_killed_extension_never_passes_for_the_smaller_data(tiny_target, tmp_path, monkeypatch):
+    """Features of 8 records, then a run with 40 killed mid-way, then the 8-record settings again: the directory
+    is not 'ready' (its held-out tail would be other sequences) but refused by name; the 40-record run resumes."""
+    from omegaconf import OmegaConf
+
+    import data.features as features
+    from conf.schema import DataConfig
+    from data.prepare import data_settings, prepare_data, ready_report
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"},
+                                                     {"role": "assistant", "content": f"hello {i}"}]}) + "\n"
+                            for i in range(40)))
+    d = OmegaConf.structured(DataConfig(source="chat_jsonl", path=str(path), max_records=8, max_length=256,
+                                        regenerate=False, features="online", shard_mb=0.0001))
+    prepare_data(tiny_target, tmp_path / "data", d)
+    eight = data_settings(d, tiny_target.fingerprint, 0)
+    assert ready_report(tmp_path / "data", eight) is not None
+    write_shard, calls = features._write_shard, []
+
+    def killed_after_three(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:
+            raise KeyboardInterrupt
+        return write_shard(*args, **kwargs)
+
+    d.max_records = 40
+    monkeypatch.setattr(features, "_write_shard", killed_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(tiny_target, tmp_path / "data", d)
+    monkeypatch.setattr(features, "_write_shard", write_shard)
+    assert ready_report(tmp_path / "data", eight) is None
+    d.max_records = 8
+    with pytest.raises(DraftheadsError, match="holds features of 11 sequences that are not the first 11 of the 8"):
+        prepare_data(tiny_target, tmp_path / "data", d)
+    d.max_records = 40
+    assert prepare_data(tiny_target, tmp_path / "data", d)["tokenize"]["sequences"] == len(
+        features.FeatureDataset(tmp_path / "data" / "features")) == 40
