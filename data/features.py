@@ -45,9 +45,10 @@ def part_block(n: int, rank: int, world: int) -> tuple[int, int]:
 @torch.no_grad()
 def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out_dir: str | Path,
                      shard_tokens: int = 16384, batch_tokens: int = 4096, hidden: bool = True,
-                     dtype: str = "bfloat16", rank: int = 0, world: int = 1) -> dict:
+                     dtype: str = "bfloat16", rank: int = 0, world: int = 1, weights: dict | None = None) -> dict:
     """Write this rank's block of `sequences` ((input_ids [T], loss_mask [T]) in a fixed order), with the target's
-    hidden states when `hidden`; resumes from the part's manifest. With world > 1 the caller waits for every rank and
+    hidden states when `hidden`; resumes from the part's manifest when it holds the same target (by name and
+    `weights`, data.prepare.weights_identity, for hidden states; by tokenizer for tokens). With world > 1 the caller waits for every rank and
     has the main process call merge_parts. Returns throughput stats of this rank."""
     if dtype not in FEATURE_DTYPES:
         raise DraftheadsError(f"data.feature_dtype '{dtype}' is not one of {list(FEATURE_DTYPES)}")
@@ -64,9 +65,16 @@ def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out
         if stored != hidden or (hidden and manifest.get("dtype", "bfloat16") != dtype):
             raise DraftheadsError(f"feature directory '{out}' holds {_kind(manifest)}; this run asks for "
                                   f"{_kind({'hidden': hidden, 'dtype': dtype})}. Use another output_dir")
+        was = (manifest["fingerprint"].get("name"), manifest.get("target_weights", weights or {}))  # older: unrecorded
+        if hidden and was != (target.name, weights or {}):
+            raise DraftheadsError(f"feature directory '{out}' holds hidden states of target '{was[0]}' loaded with "
+                                  f"{was[1] or 'its built-in weights'}; this run loads '{target.name}' with "
+                                  f"{weights or 'its built-in weights'}. Use another output_dir (or data.cache_dir, "
+                                  "which keeps one directory per target)")
     else:
         manifest = {"fingerprint": target.fingerprint, "layer_ids": list(target.layer_ids), "hidden": hidden,
-                    "dtype": dtype, "shards": [], "sequences_done": 0, "complete": False}
+                    "dtype": dtype, "shards": [], "sequences_done": 0, "complete": False,
+                    "target_weights": weights or {}}
     mine = sequences[lo:hi]
     start = manifest["sequences_done"]
     if manifest.get("parts", 1) > 1 and world == 1:  # merged from W ranks: each part checked against its block

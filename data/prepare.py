@@ -161,7 +161,7 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
                           "tokens": sum(len(s[0]) for s in sequences),
                           "assistant_tokens": int(sum(int(s[1].sum()) for s in sequences))}
     if d.features != "none":
-        report["features"] = _sequences_on_disk(target, sequences, out / "features", d, workers)
+        report["features"] = _sequences_on_disk(target, sequences, out / "features", d, workers, weights)
     if main:
         write_atomic(out / "data_report.json", json.dumps(report, indent=1))
     workers.wait()
@@ -212,19 +212,20 @@ def _path_of(d) -> str:
     return d.path
 
 
-def _sequences_on_disk(target: Target, sequences, out: Path, d, workers: Workers) -> dict:
+def _sequences_on_disk(target: Target, sequences, out: Path, d, workers: Workers, weights: dict | None) -> dict:
     """Offline: every rank extracts its block of hidden states, the main process merges. Online: tokens only, written
     by the main process (cheap)."""
     hidden = d.features == "offline"
     per_token = 5 + (len(target.layer_ids) + 1) * target.hidden_size * (2 if d.feature_dtype == "bfloat16" else 1)
     shard_tokens = max(1, int(d.shard_mb * 2**20 / (per_token if hidden else 5)))
     if not hidden or workers.world == 1:
-        stats = extract_features(target, sequences, out, shard_tokens, hidden=hidden, dtype=d.feature_dtype) \
-            if workers.rank == 0 else {}
+        stats = extract_features(target, sequences, out, shard_tokens, hidden=hidden, dtype=d.feature_dtype,
+                                 weights=weights) if workers.rank == 0 else {}
         workers.wait()
         return stats
     stats = _over_processes(extract_features(target, sequences, out, shard_tokens, hidden=True,
-                                             dtype=d.feature_dtype, rank=workers.rank, world=workers.world), workers)
+                                             dtype=d.feature_dtype, rank=workers.rank, world=workers.world,
+                                             weights=weights), workers)
     if workers.rank == 0:
         merged = merge_parts(out, workers.world)
         stats = {**stats, "sequences": merged["sequences_done"], "tokens": sum(s["tokens"] for s in merged["shards"]),

@@ -142,6 +142,17 @@ def test_features_of_another_target_are_refused(tiny_target, tmp_path):
     other = Target(model, tok, "other-tiny")
     with pytest.raises(DraftheadsError, match="built for target 'tiny-random-llama'.*hidden_size"):
         extract_features(other, _sequences(tok, 2), tmp_path / "f")
+    # the same sizes and tokenizer, other weights (target.path / target.dtype) or another name: other hidden states
+    sequences = _sequences(tiny_target.tokenizer, 3)
+    finetuned = {"path": str(tmp_path / "finetuned")}
+    with pytest.raises(DraftheadsError, match="holds hidden states of target 'tiny-random-llama' loaded with its "
+                                              "built-in weights; this run loads 'tiny-random-llama' with {'path'"):
+        extract_features(tiny_target, sequences, tmp_path / "f", weights=finetuned)
+    with pytest.raises(DraftheadsError, match="this run loads 'base-model'"):
+        extract_features(Target(tiny_target.model, tiny_target.tokenizer, "base-model"), sequences, tmp_path / "f")
+    assert extract_features(tiny_target, sequences, tmp_path / "f")["sequences"] == 3  # the same target resumes
+    extract_features(tiny_target, sequences, tmp_path / "t", hidden=False)  # tokens depend on the tokenizer only
+    assert extract_features(tiny_target, sequences, tmp_path / "t", hidden=False, weights=finetuned)["new_tokens"] == 0
 
 
 def test_a_tokens_only_directory_serves_any_feature_dtype_and_a_stored_one_its_own(tiny_target, tmp_path):
