@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from importlib import util as importlib_util
@@ -75,14 +76,17 @@ def _open_text(path: Path):
 def iter_json_array(path: Path, stats: ReadStats, chunk_chars: int = 1 << 20) -> Iterator[dict]:
     """Objects of a top-level JSON array, one at a time, from a file of any size.
 
-    A file truncated inside its last record yields every complete record and sets stats.truncated_tail.
+    A file truncated inside its last record yields every complete record and sets stats.truncated_tail. A malformed
+    record with complete records after it is an error naming its offset (skipping the rest would lose them quietly).
     """
     decoder = json.JSONDecoder()
     with _open_text(path) as f:
-        buf, pos, eof = _read(f, chunk_chars), 0, False
-        start = buf.find("[")
-        if start < 0:
-            raise DraftheadsError(f"'{path}' is not a JSON array of records (no '[' at the start)")
+        buf, pos, eof, dropped = _read(f, chunk_chars), 0, False, 0  # dropped: characters consumed and freed
+        keys = None  # the last record's keys: what a record (not an object nested in one) looks like
+        start = len(buf) - len(buf.lstrip("\ufeff \t\r\n"))
+        if not buf[start:start + 1] == "[":
+            raise DraftheadsError(f"'{path}' is not a JSON array of records (it starts with {buf[start:start + 20]!r}, "
+                                  "not '['); pass a ShareGPT .json array or a .jsonl file")
         pos = start + 1
         while True:
             while pos < len(buf) and buf[pos] in " \t\r\n,":
@@ -91,20 +95,43 @@ def iter_json_array(path: Path, stats: ReadStats, chunk_chars: int = 1 << 20) ->
                 return
             try:
                 obj, end = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError:
-                if eof:
-                    if buf[pos:].strip():
+            except json.JSONDecodeError as e:
+                if eof or len(buf) - pos > MAX_RECORD_CHARS:
+                    rest = buf[pos:]
+                    if not eof or _holds_a_record(decoder, rest, keys):
+                        raise DraftheadsError(f"'{path}': the record at character {dropped + pos:,} is malformed "
+                                              f"({e.msg}) and records follow it; fix or remove that record") from None
+                    if rest.strip():
                         stats.truncated_tail = True
                         stats.skip("truncated_last_record")
                     return
                 more = _read(f, chunk_chars)
                 eof = not more
-                buf, pos = buf[pos:] + more, 0
+                buf, pos, dropped = buf[pos:] + more, 0, dropped + pos
                 continue
             pos = end
+            keys = set(obj) if isinstance(obj, dict) else keys
             yield obj
             if pos > chunk_chars:  # drop consumed text so memory stays bounded
-                buf, pos = buf[pos:], 0
+                buf, pos, dropped = buf[pos:], 0, dropped + pos
+
+
+MAX_RECORD_CHARS = 64 << 20  # no conversation is this long: an undecodable stretch past it is a malformed record
+
+
+def _holds_a_record(decoder: json.JSONDecoder, text: str, keys: set | None, tries: int = 10_000) -> bool:
+    """Whether a complete record (a JSON object with the record keys `keys`) starts after some ', {' of `text` (the
+    tail after a record that does not decode). Objects nested in a cut record (ShareGPT's turns) have other keys."""
+    for i, match in enumerate(re.finditer(r",\s*\{", text)):
+        if i >= tries:
+            return False
+        try:
+            obj, _ = decoder.raw_decode(text, match.end() - 1)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and keys is not None and set(obj) == keys:
+            return True
+    return False
 
 
 def iter_jsonl(path: Path, stats: ReadStats, strict: bool = False) -> Iterator[dict]:
@@ -192,7 +219,7 @@ def read_conversations(source: str, path: str | None = None, stats: ReadStats | 
         return
     if source == "sharegpt":
         file = Path(path) if path else sharegpt_path()
-        records = iter_json_array(file, stats) if not file.suffix == ".jsonl" else iter_jsonl(file, stats)
+        records = iter_jsonl(file, stats) if file.name.endswith((".jsonl", ".jsonl.gz")) else iter_json_array(file, stats)
     elif source == "chat_jsonl":
         records = iter_jsonl(Path(_needs_path(source, path)), stats)
     else:

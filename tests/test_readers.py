@@ -24,6 +24,22 @@ def test_truncated_sharegpt_keeps_every_complete_record(tmp_path):
     assert convs[0] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
 
+def test_a_malformed_record_before_others_is_an_error_not_a_truncated_tail(tmp_path):
+    text = "[\n" + ",\n".join(json.dumps(GOOD) for _ in range(3)) + ",\n{\"id\": \"x\",, \"conversations\": []},\n" + \
+        ",\n".join(json.dumps(GOOD) for _ in range(3)) + "\n]"
+    (tmp_path / "sg.json").write_text(text)
+    with pytest.raises(DraftheadsError, match="the record at character 305 is malformed .* and records follow it"):
+        list(read_conversations("sharegpt", str(tmp_path / "sg.json")))
+    (tmp_path / "wrapped.json").write_text(json.dumps({"train": [GOOD], "test": [GOOD]}))
+    with pytest.raises(DraftheadsError, match="is not a JSON array of records .it starts with"):
+        list(read_conversations("sharegpt", str(tmp_path / "wrapped.json")))
+    import gzip
+
+    with gzip.open(tmp_path / "sg.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(GOOD) + "\n" for _ in range(2)))
+    assert len(list(read_conversations("sharegpt", str(tmp_path / "sg.jsonl.gz")))) == 2
+
+
 def test_malformed_conversations_are_skipped_and_counted(tmp_path):
     bad = [
         {"id": "e", "conversations": [{"from": "human", "value": "  "}, {"from": "gpt", "value": "x"}]},
