@@ -90,10 +90,11 @@ def part_path(out_path: Path, rank: int, world: int) -> Path:
 
 
 def record_files(out_path: Path) -> list[tuple[Path, int]]:
-    """out_path and its part files of every process count, those that exist: (path, process count)."""
+    """out_path and its part files of every process count, those that hold something: (path, process count). An
+    empty one (a run killed before its first batch) holds no answers, so no settings either."""
     name = re.compile(rf"{re.escape(out_path.stem)}(?:\.part_\d+-of-(\d+))?{re.escape(out_path.suffix)}")
     found = sorted(out_path.parent.glob(f"{glob.escape(out_path.stem)}*{out_path.suffix}"))
-    return [(path, int(m[1] or 1)) for path in found if (m := name.fullmatch(path.name))]
+    return [(path, int(m[1] or 1)) for path in found if (m := name.fullmatch(path.name)) and path.stat().st_size]
 
 
 def _records_of(out_path: Path, but_count: int | None = None) -> dict[int, dict]:
@@ -195,7 +196,8 @@ def regenerate(
 def merge_parts(tokenizer, conversations: list[Conversation], out_path: str | Path, turns: int,
                 batch_size: int, max_prompt_tokens: int) -> None:
     """The main process, after every rank finished: out_path = the parts' records in batch order (the file one process
-    writes), replaced atomically."""
+    writes), then any others it held (answers to records past a lowered data.max_records: kept, not regenerated
+    again), replaced atomically."""
     out_path = Path(out_path)
     records = _records_of(out_path)
     batches, _ = plan_batches(tokenizer, conversations, turns, batch_size, max_prompt_tokens)
@@ -204,7 +206,8 @@ def merge_parts(tokenizer, conversations: list[Conversation], out_path: str | Pa
     if missing:
         raise DraftheadsError(f"regeneration parts in '{out_path.parent}' lack {len(missing)} records (e.g. id "
                               f"{missing[0]}); rerun the same command to finish them")
-    write_atomic(out_path, "".join(json.dumps(records[i], ensure_ascii=False) + "\n" for i in order))
+    kept = order + sorted(set(records) - set(order))
+    write_atomic(out_path, "".join(json.dumps(records[i], ensure_ascii=False) + "\n" for i in kept))
 
 
 def _generate_batch(decoder, batch: list[tuple], turns: int, max_new: int, temperature: float,

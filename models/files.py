@@ -43,16 +43,27 @@ def _alive(pid: int) -> bool:
 
 
 def write_whole(path: Path, write: Callable[[Path], None]) -> None:
-    """write(tmp), then tmp renamed to `path`; a failed write (a full disk) removes its partial temporary file, so it
-    holds none of the space the user frees to rerun, and a killed writer's is removed by the next write."""
+    """write(tmp), flushed to disk, then tmp renamed to `path` and the rename flushed: a killed process or a crashed
+    machine leaves the old file or the new one, whole. A failed write (a full disk) removes its partial temporary
+    file, so it holds none of the space the user frees to rerun, and a killed writer's is removed by the next write."""
     _remove_stale_temporaries(path)
     tmp = _temporary_name(path)
     try:
         write(tmp)
+        _fsync(tmp)
         os.replace(tmp, path)
+        _fsync(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # a directory opens read-only too (its entries: the rename)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path: str | Path, data: bytes | str) -> None:

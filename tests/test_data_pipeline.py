@@ -5,7 +5,7 @@ import torch
 
 from data.chat import tokenize_chat
 from data.features import FeatureDataset, extract_features
-from data.regenerate import regenerate, regeneration_totals
+from data.regenerate import record_files, regenerate, regeneration_totals
 from models.errors import DraftheadsError
 
 CONVS = [[{"role": "user", "content": f"question number {i} " * (1 + i % 3)},
@@ -54,6 +54,21 @@ def test_regeneration_resumed_with_another_process_count_reuses_the_records(tiny
     assert regeneration_totals(tmp_path / "mixed.jsonl")["new_tokens"] == alone["new_tokens"]
 
 
+def test_a_two_process_merge_keeps_answers_outside_its_records(tiny_target, tmp_path):
+    """10 records answered by one process, then a 2-process run over the first 4: the merged file still holds all 10
+    (a later run with more records reuses them), the 4 first in batch order."""
+    from data.regenerate import merge_parts
+
+    out, kw = tmp_path / "r.jsonl", dict(max_new=4, turns=1, batch_size=2)
+    regenerate(tiny_target, CONVS, out, **kw)
+    before = {json.loads(x)["id"]: x for x in out.read_text().splitlines()}
+    for rank in (0, 1):
+        regenerate(tiny_target, CONVS[:4], out, rank=rank, world=2, **kw)
+    merge_parts(tiny_target.tokenizer, CONVS[:4], out, 1, 2, 1024)
+    after = out.read_text().splitlines()
+    assert sorted(after) == sorted(before.values()) and [json.loads(x)["id"] for x in after[4:]] == list(range(4, 10))
+
+
 def test_regeneration_totals_add_runs_of_every_process_count(tmp_path):
     """Parts of one process count ran side by side (the slowest counts), runs of different counts one after another
     (they add up); a progress file whose part file is gone counts nothing."""
@@ -64,6 +79,9 @@ def test_regeneration_totals_add_runs_of_every_process_count(tmp_path):
                                                                     "seconds": seconds}))
         if name != "x.part_0-of-4.jsonl":  # its records were removed
             (tmp_path / name).write_text('{"id": 0}\n')
+    (tmp_path / "x.part_0-of-8.jsonl").write_text("")  # a run killed before its first batch: holds nothing
+    assert [p.name for p, _ in record_files(tmp_path / "x.jsonl")] == [
+        "x.jsonl", "x.part_0-of-2.jsonl", "x.part_1-of-2.jsonl"]
     assert regeneration_totals(tmp_path / "x.jsonl") == {"runs": 3, "new_tokens": 19, "seconds": 6.0,
                                                          "tokens_per_s": round(19 / 6, 1)}
 

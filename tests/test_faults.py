@@ -281,5 +281,12 @@ def test_a_killed_writers_temporary_is_removed_by_the_next_write_and_a_live_ones
     other = tmp_path / f"y.json.{int(gone.stdout)}.1.tmp"
     for f in (dead, live, other):
         f.write_bytes(b"partial")
-    write_atomic(tmp_path / "x.json", "{}")
+    synced = []
+    real_fsync = os.fsync
+    os.fsync = lambda fd: synced.append(fd) or real_fsync(fd)
+    try:
+        write_atomic(tmp_path / "x.json", "{}")
+    finally:
+        os.fsync = real_fsync
+    assert len(synced) == 2  # the file before its rename, the directory after it
     assert not dead.exists() and live.exists() and other.exists() and (tmp_path / "x.json").read_text() == "{}"
