@@ -82,7 +82,12 @@ def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out
     digest = _sequences_digest(mine[:start])
     recorded = manifest["shards"][-1].get("sha256") if manifest["shards"] else None  # older manifests: none
     if len(mine) < start or recorded not in (None, digest.hexdigest()):
-        raise _changed(out, start, len(mine))
+        if manifest.get("first", lo) == lo:  # this block, other sequences
+            raise _changed(out, start, len(mine))
+        # more (or fewer) sequences moved the start of this rank's block: its part is made again
+        manifest.update(shards=[], sequences_done=0, complete=False)
+        start, digest = 0, _sequences_digest([])
+    manifest["first"] = lo
     prefix = "shard" if world == 1 else f"shard_r{rank}-of-{world}"
     todo = mine[start:]
     if todo:  # an extension (more records) is incomplete until its last shard: a kill must not leave "complete"

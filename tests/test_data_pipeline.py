@@ -194,3 +194,21 @@ def test_features_of_other_sequences_are_refused(tiny_target, tmp_path):
         extract_features(tiny_target, seqs[1:] + seqs[:1], tmp_path / "f")
     with pytest.raises(DraftheadsError, match="not the first 4 of the 2"):
         extract_features(tiny_target, seqs[:2], tmp_path / "f")
+
+
+def test_two_processes_extend_features_to_more_sequences(tiny_target, tmp_path):
+    """With 2 processes, more sequences move rank 1's block: its part is made again (rank 0's extends) and the merged
+    directory equals one process's extraction of all of them."""
+    from data.features import merge_parts
+
+    seqs = _sequences(tiny_target.tokenizer, 10)
+    for n in (6, 10):
+        for rank in (0, 1):
+            extract_features(tiny_target, seqs[:n], tmp_path / "two", shard_tokens=64, rank=rank, world=2)
+        merge_parts(tmp_path / "two", 2)
+    extract_features(tiny_target, seqs, tmp_path / "one", shard_tokens=64)
+    two, one = FeatureDataset(tmp_path / "two"), FeatureDataset(tmp_path / "one")
+    assert len(two) == len(one) == 10
+    for i in range(10):
+        assert torch.equal(two[i]["input_ids"], one[i]["input_ids"])
+        assert torch.equal(two[i]["final_hidden"], one[i]["final_hidden"])
