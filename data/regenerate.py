@@ -46,14 +46,15 @@ def _user_turns(conv: Conversation, turns: int) -> tuple[list[dict], list[str]]:
     return system, users
 
 
-def _read_done(path: Path) -> dict[int, dict]:
-    """Finished records by id. A half-written last line (a kill mid-write) is cut off by truncating the file."""
+def _read_done(path: Path, truncate: bool = True) -> dict[int, dict]:
+    """Finished records by id. A half-written last line (a kill mid-write) is cut off by truncating the file, or
+    (truncate=False: a file another process may be writing) left out."""
     done: dict[int, dict] = {}
     if not path.exists():
         return done
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1  # complete lines end with \n; what follows the last one is torn
-    if end < len(data):
+    if end < len(data) and truncate:
         os.truncate(path, end)
     for lineno, line in enumerate(data[:end].split(b"\n"), 1):  # not splitlines(): text may hold U+2028, U+0085
         if line.strip():
@@ -167,7 +168,10 @@ def regenerate(
     mine = part_path(out_path, rank, world)
     mine_done = _read_done(mine)
     elsewhere = _records_of(out_path, but_count=world)
-    done = {**elsewhere, **mine_done}
+    beside = {}  # what the other ranks wrote: after a re-plan (more records) their ids may fall in this rank's batches
+    for r in range(world):
+        beside.update(_read_done(part_path(out_path, r, world), truncate=False) if r != rank else {})
+    done = {**elsewhere, **beside, **mine_done}
     batches, skipped_long = plan_batches(target.tokenizer, conversations, turns, batch_size, max_prompt_tokens)
     decoder = None
     new_tokens, t0 = 0, time.perf_counter()

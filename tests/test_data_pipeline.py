@@ -69,6 +69,18 @@ def test_a_two_process_merge_keeps_answers_outside_its_records(tiny_target, tmp_
     assert sorted(after) == sorted(before.values()) and [json.loads(x)["id"] for x in after[4:]] == list(range(4, 10))
 
 
+def test_a_replanned_rank_does_not_answer_what_another_rank_answered(tiny_target, tmp_path):
+    """2 processes over 4 records, then over all 10 (the batches are planned again): no id is answered twice."""
+    from data.regenerate import part_path
+
+    out, kw = tmp_path / "r.jsonl", dict(max_new=4, turns=1, batch_size=2)
+    for convs in (CONVS[:4], CONVS):
+        for rank in (0, 1):
+            regenerate(tiny_target, convs, out, rank=rank, world=2, **kw)
+    ids = [[json.loads(x)["id"] for x in part_path(out, r, 2).read_text().splitlines()] for r in (0, 1)]
+    assert sorted(ids[0] + ids[1]) == list(range(10))
+
+
 def test_regeneration_totals_add_runs_of_every_process_count(tmp_path):
     """Parts of one process count ran side by side (the slowest counts), runs of different counts one after another
     (they add up); a progress file whose part file is gone counts nothing."""
