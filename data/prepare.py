@@ -65,7 +65,8 @@ def data_settings(d, fingerprint: dict, seed: int, weights: dict | None = None) 
     """What shapes the data directory's content: the data.* fields that change records or tokens, what the files at
     data.path hold (`source_stamp`), the target (name, tokenizer, feature layers, `weights_identity`) and the seed;
     shard sizes do not. `regen_sha256` keys the regenerated text alone (the feature layers and dtype do not shape
-    it), so heads reading other layers share one regeneration."""
+    it), so heads reading other layers share one regeneration. The chat template's hash is recorded beside them and
+    checked on reuse (ready_report, the regeneration stamp) rather than keyed, so caches made before it still open."""
     keep = {k: getattr(d, k) for k in SHAPING} | source_stamp(d.path)
     keep["target"] = {k: fingerprint[k] for k in ("name", "tokenizer_hash", "layer_ids")} | \
         ({"weights": weights} if weights else {})
@@ -76,6 +77,7 @@ def data_settings(d, fingerprint: dict, seed: int, weights: dict | None = None) 
         regen_target["path"] = weights["path"]
     regen = {k: keep[k] for k in REGEN_SHAPING + ("seed", "path_files") if k in keep}
     keep["regen_sha256"] = _digest({**regen, "target": regen_target})
+    keep["chat_template"] = fingerprint.get("chat_template_hash", "")  # checked on reuse, not keyed: older keys hold
     return keep
 
 
@@ -88,7 +90,9 @@ def ready_report(out_dir: str | Path, settings: dict) -> dict | None:
     out = Path(out_dir)
     try:
         report = json.loads((out / "data_report.json").read_text())
-        if report.get("settings", {}).get("sha256") != settings["sha256"]:
+        made = report.get("settings", {})
+        if made.get("sha256") != settings["sha256"] or made.get("chat_template", settings["chat_template"]) != \
+                settings["chat_template"]:
             return None
         manifest = json.loads((out / "features" / MANIFEST).read_text()) if settings["features"] != "none" else None
         if manifest is not None and not (manifest["complete"] and
@@ -175,12 +179,14 @@ def check_regeneration_settings(regenerated: Path, settings: dict, main: bool) -
     stamp = regenerated.with_name(regenerated.name + ".settings.json")
     now = {f"data.{k}": settings[k] for k in REGEN_SHAPING if k != "max_records"} | \
         {"train.seed": settings["seed"], "target.name": settings["target"]["name"],
-         "target.path": settings["target"].get("weights", {}).get("path")}
+         "target.path": settings["target"].get("weights", {}).get("path"),
+         "target's chat template": settings["chat_template"]}
     if "path_files" in settings:
         now["data.path's files"] = settings["path_files"]
     try:
         before = json.loads(stamp.read_text())
         before.setdefault("data.path's files", now.get("data.path's files"))  # stamped before files were
+        before.setdefault("target's chat template", now["target's chat template"])  # or templates
     except FileNotFoundError:
         before = now  # no stamp (a file from before stamps existed): taken as made with these settings
     except ValueError:

@@ -66,6 +66,14 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def chat_template_hash(tokenizer) -> str:
+    """Hash of the chat template (the prompts and loss masks the data stage builds follow it); '' without one."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return ""
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+
+
 @dataclass
 class TargetOutput:
     logits: Tensor | None  # [B, T, V] (None when compute_logits=False)
@@ -135,6 +143,7 @@ class Target:
             "num_layers": self.num_layers,
             "layer_ids": list(self.layer_ids),
             "tokenizer_hash": tokenizer_hash(self.tokenizer),
+            "chat_template_hash": chat_template_hash(self.tokenizer),
             "hidden_state_convention": HIDDEN_STATE_CONVENTION,
         }
 

@@ -297,3 +297,23 @@ def test_a_killed_extension_never_passes_for_the_smaller_data(tiny_target, tmp_p
     d.max_records = 40
     assert prepare_data(tiny_target, tmp_path / "data", d)["tokenize"]["sequences"] == len(
         features.FeatureDataset(tmp_path / "data" / "features")) == 40
+
+
+def test_another_chat_template_is_not_served_from_the_cache(tiny_target, tmp_path, monkeypatch):
+    """The same tokenizer with an edited chat template builds other prompts and masks: the data made with the old
+    one is not 'ready', and its regenerated answers are refused by name."""
+    from omegaconf import OmegaConf
+
+    from conf.schema import DataConfig
+    from data.prepare import data_settings, prepare_data, ready_report
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"turns": [f"write {i}"]}) + "\n" for i in range(4)))
+    d = OmegaConf.structured(DataConfig(source="prompt_jsonl", path=str(tmp_path / "p.jsonl"), max_records=4,
+                                        max_length=2048, regen_max_new=8, regen_batch_size=4, shard_mb=0.01))
+    prepare_data(tiny_target, tmp_path / "data", d)
+    tok = tiny_target.tokenizer
+    monkeypatch.setattr(tok, "chat_template", "<!-- edited -->" + tok.chat_template)
+    now = data_settings(d, tiny_target.fingerprint, 0)
+    assert ready_report(tmp_path / "data", now) is None
+    with pytest.raises(DraftheadsError, match="holds answers regenerated with other settings .target's chat template"):
+        prepare_data(tiny_target, tmp_path / "data", d)
