@@ -180,8 +180,11 @@ def _run(args: argparse.Namespace) -> tuple[dict, bool]:
         lookup = args.k if mode == "hf_prompt_lookup" else None
         return [hf_generate(target, p, args.max_new, sampling, lookup, args.seed) for p in batch]
 
-    for mode in modes:  # warm-up at a full batch's shapes: allocator, caches, first-call overheads, CUDA graphs
-        once(mode, batches[0][1], None)
+    # warm-up at every batch size the timed runs meet (a category's last batch may be smaller): allocator, caches,
+    # first-call overheads, CUDA graphs and compiled shapes are paid before the clock runs
+    for batch in {len(b): b for _, b in batches}.values():
+        for mode in modes:
+            once(mode, batch, None)
     times = {m: defaultdict(list) for m in modes}  # mode -> batch index -> seconds per repeat
     outputs = {m: {} for m in modes}
     cat_stats = defaultdict(DecodeStats)
