@@ -204,7 +204,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, default=8, help="first N MT-bench prompts (all their turns)")
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--k", type=int, default=None, help="draft length (default: the head's K)")
-    ap.add_argument("--mask-token-id", type=int, default=None, help="passed to export (P-EAGLE; default V-1)")
+    ap.add_argument("--mask-token-id", type=int, default=None, help="passed to export (P-EAGLE; default: the highest "
+                    "special token not used by the chat template, else V-1)")
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--target-path", default=None)
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -244,6 +245,10 @@ def run(args: argparse.Namespace) -> dict:
     job = {"target_dir": str(target_dir), "spec_dir": str(spec_dir), "prompts": inputs, "max_new": args.max_new,
            "k": k, "max_model_len": args.max_model_len}
     vllm = run_vllm(args.vllm_python, job, work)
+    if vllm["speculative_config"]["num_speculative_tokens"] != k:  # some vLLM versions take K from the checkpoint
+        raise DraftheadsError(f"vLLM drafted {vllm['speculative_config']['num_speculative_tokens']} tokens a step, "
+                              f"not --k {k}: this vLLM takes K from the exported head; rerun without --k (or with the "
+                              "head's K) so both sides draft the same length")
 
     c = vllm["counters"]
     drafts = c.get("spec_decode_num_drafts", 0)

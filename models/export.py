@@ -52,9 +52,6 @@ def serving_layout_summary(d: Path, config: dict, layout: str) -> dict:
     else:
         layer, parallel, norm_before_residual = {"model_type": "llama", **config}, False, False
         ids = [i + 1 for i in (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []]
-        if not ids:  # SGLang's own default then: layers (2, L//2, L-3) of a target it does not name
-            raise DraftheadsError(f"'{d}/config.json' has no eagle_config.eagle_aux_hidden_state_layer_ids, so the "
-                                  "target layers it reads are unknown; add the ids it was trained with")
         k, verifier = (config.get("draftheads") or {}).get("k"), (config.get("draftheads") or {}).get("verifier")
     lc = _transformers_config(d, layer)
     plain = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
@@ -69,12 +66,14 @@ def serving_layout_summary(d: Path, config: dict, layout: str) -> dict:
         raise DraftheadsError(f"'{d}' has a draft layer with {problems}; draftheads runs Llama or Qwen3 decoder layers "
                               "as wide as the target, without biases or sliding windows, so it cannot load this head")
     vocab, draft_vocab = lc.vocab_size, config.get("draft_vocab_size")
-    sizes = dict(decoder_sizes(lc), num_aux_layers=len(ids), num_layers=lc.num_hidden_layers, vocab_size=vocab, k=k,
+    ids = list(ids) if ids else None  # none given: the engines capture their default layers (2, L//2, L-3)
+    sizes = dict(decoder_sizes(lc), num_aux_layers=len(ids) if ids else 3, num_layers=lc.num_hidden_layers,
+                 vocab_size=vocab, k=k,
                  parallel=parallel, draft_vocab_size=draft_vocab if draft_vocab and draft_vocab < vocab else None,
                  norm_before_residual=norm_before_residual, qk_norm=lc.model_type == "qwen3")
     return {"layout": layout, "family": "peagle" if parallel else "eagle3", "k": k, "sizes": sizes,
             "mask_token_id": config.get("mask_token_id"),
-            "target": {"name": verifier, "vocab_size": vocab, "layer_ids": list(ids),
+            "target": {"name": verifier, "vocab_size": vocab, "layer_ids": ids,
                        "hidden_size": config.get("target_hidden_size") or lc.hidden_size}}
 
 
@@ -90,8 +89,10 @@ def _summary(d: Path, layout: str, target) -> dict:
             raise DraftheadsError(f"'{d}' was trained for target '{name}' with {key} {fp[key]}, but target "
                                   f"'{target.name}' has {mine}; load the target it names (or one with its tokenizer "
                                   "and width)")
-    if fp["layer_ids"] != list(target.layer_ids):
-        raise DraftheadsError(f"'{d}' reads target layers {fp['layer_ids']} but the target captures "
+    L = target.num_layers
+    ids, which = fp["layer_ids"] or [2, L // 2, L - 3], "" if fp["layer_ids"] else "the engines' default "
+    if ids != list(target.layer_ids):
+        raise DraftheadsError(f"'{d}' reads {which}target layers {ids} but the target captures "
                               f"{list(target.layer_ids)}; load the target with target.layer_ids set to match")
     return summary
 

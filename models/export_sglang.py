@@ -20,7 +20,7 @@ from pathlib import Path
 from models.checkpoint import head_from_state, read_weights
 from models.errors import DraftheadsError
 from models.export import _check_engine_layers, _exportable, _head_tensors, _layer_config, _provenance, _summary
-from models.export_speculators import verifier_name
+from models.export_speculators import full_vocab_lm_head, verifier_name
 from models.files import save_tensors
 from models.peagle import PEagleDrafter
 
@@ -84,8 +84,9 @@ def import_sglang(directory, target, k: int | None = None) -> PEagleDrafter:
         warnings.warn(f"'{d}' does not record its draft length (SGLang's --speculative-num-steps sets it); using "
                       f"K={SGLANG_DEFAULT_K}. Choose it with head:DIR,k=N", stacklevel=2)
     state = {_our_name(name): v for name, v in read_weights(d).items() if name != "embed_tokens.weight"}
-    if sizes["draft_vocab_size"] is None:  # full vocabulary: the target's LM head
+    if json.loads((d / "config.json").read_text()).get("draft_vocab_size") is None:  # SGLang: the target's LM head
         state.pop("lm_head.weight", None)
+    full_vocab_lm_head(state, sizes, target)  # draft_vocab_size = V: SGLang runs the file's own lm_head
     return head_from_state("eagle3", sizes, state, target, f"SGLang draft '{d}'",
                            fix="the directory is damaged or from another layout; export it again")
 

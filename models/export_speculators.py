@@ -124,11 +124,7 @@ def import_speculators(directory, target) -> PEagleDrafter:
         sizes.update(own_embedding=True, mask_token_id=mask_row)
     elif sizes["parallel"]:  # the target's embedding; its mask row (if any) is the learned mask embedding
         state["mask_embedding"] = (embed if embed is not None else target.model.get_input_embeddings().weight)[mask_row]
-    if sizes["draft_vocab_size"] is None and "lm_head.weight" in state:
-        if _is_targets(state["lm_head.weight"], target.model.get_output_embeddings().weight):
-            del state["lm_head.weight"]  # the target's own: shared, not copied
-        else:
-            sizes["own_lm_head"] = True
+    full_vocab_lm_head(state, sizes, target)
     return head_from_state(summary["family"], sizes, state, target, f"speculators directory '{d}'",
                            fix="the directory is damaged or from another layout; export it again")
 
@@ -142,6 +138,22 @@ def unused_special_token(tokenizer, vocab_size: int) -> int:
     free = [i for i, tok in added.items()
             if getattr(tok, "special", False) and i not in taken and i < vocab_size and str(tok) not in template]
     return max(free) if free else vocab_size - 1
+
+
+def full_vocab_lm_head(state: dict, sizes: dict, target) -> None:
+    """A full-vocabulary head's lm_head.weight in `state`: the target's own is dropped (shared, not copied), another
+    one is kept as the head's own (sizes["own_lm_head"]); identity d2t / t2d maps of a full vocabulary are dropped."""
+    if sizes["draft_vocab_size"] is not None:
+        return
+    if "d2t" in state and not state["d2t"].any():  # offsets 0: the identity map of a full vocabulary
+        del state["d2t"]
+    if "t2d" in state and state["t2d"].all():
+        del state["t2d"]
+    if "lm_head.weight" in state:
+        if _is_targets(state["lm_head.weight"], target.model.get_output_embeddings().weight):
+            del state["lm_head.weight"]
+        else:
+            sizes["own_lm_head"] = True
 
 
 def _is_targets(tensor, ref, skip_row: int | None = None) -> bool:

@@ -140,3 +140,37 @@ def test_cli_writes_either_layout(tmp_path):
     assert sglang["config"]["architectures"] == ["LlamaForCausalLMEagle3"]
     vllm = main(["--head", str(tmp_path / "head"), "--out", str(tmp_path / "sp")])
     assert vllm["config"]["speculators_model_type"] == "eagle3"
+
+
+def test_peer_drafts_without_layer_ids_or_with_their_own_full_vocab_lm_head(tmp_path):
+    """What vLLM and SGLang load, we load alike: no layer ids means the engines' default (2, L//2, L-3); an SGLang
+    draft with draft_vocab_size = V runs its own lm_head (null: the target's), identity d2t / t2d included."""
+    from safetensors.torch import save_file
+
+    model, tok = tiny_random_llama(num_layers=8)
+    target = Target(model, tok, "tiny-random-llama")  # layers (2, 4, 5): the engines' default for 8
+    _export(target, tmp_path)
+    head = load_draft(tmp_path / "head", target)
+    spec = export_speculators(tmp_path / "head", target, tmp_path / "spec")
+    config = json.loads((spec / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = None
+    (spec / "config.json").write_text(json.dumps(config))
+    assert load_draft(spec, target).k == head.k
+    sgl = export_sglang(tmp_path / "head", target, tmp_path / "sgl")
+    config = json.loads((sgl / "config.json").read_text())
+    del config["eagle_config"]
+    config["draft_vocab_size"] = config["vocab_size"]
+    (sgl / "config.json").write_text(json.dumps(config))
+    weights = load_file(sgl / "model.safetensors")
+    own = torch.randn(target.vocab_size, target.hidden_size)
+    save_file({**weights, "lm_head.weight": own, "d2t": torch.zeros(target.vocab_size, dtype=torch.long),
+               "t2d": torch.ones(target.vocab_size, dtype=torch.bool)}, str(sgl / "model.safetensors"))
+    peer = import_sglang(sgl, target)
+    assert torch.equal(peer.lm_head.weight.float(), own)
+    config["draft_vocab_size"] = None
+    (sgl / "config.json").write_text(json.dumps(config))
+    assert not hasattr(import_sglang(sgl, target), "lm_head")
+    other = Target(model, tok, "tiny-random-llama", layer_ids=(1, 4, 7))
+    with pytest.raises(DraftheadsError, match=r"reads the engines' default target layers \[2, 4, 5\] but the target "
+                                              r"captures \[1, 4, 7\]"):
+        import_sglang(sgl, other)

@@ -90,7 +90,8 @@ def source_layer_ids(spec: str) -> list[int] | None:
         return None
     from models.checkpoint import read_draft_config
 
-    return list(read_draft_config(path_and_options(heads[0])[0])["target"]["layer_ids"])
+    ids = read_draft_config(path_and_options(heads[0])[0])["target"]["layer_ids"]
+    return list(ids) if ids else None  # a peer's draft that names none reads the engines' default layers
 
 
 def build_source(spec: str, target) -> DraftSource:
