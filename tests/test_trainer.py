@@ -674,9 +674,14 @@ def test_steps_raised_train_on_steps_lowered_or_another_keep_best_criterion_are_
     assert [r["step"] for r in rows if "loss" in r and r["stage"] == "soft_label"] == list(range(1, 7))
     assert [r["step"] for r in rows if "loss" in r and r["stage"] == "rl"] == [1, 2]  # RL ran again, once
     assert json.loads((tmp_path / "head_soft_label" / "metrics.json").read_text())["steps"] == 6
+    train_draft(cfg(8), peaked_target, feats, tmp_path, stop_at_step=7)  # an extension killed: its start head stays
+    assert json.loads((tmp_path / "head_soft_label" / "metrics.json").read_text())["steps"] == 6
+    train_draft(cfg(8), peaked_target, feats, tmp_path)
+    assert json.loads((tmp_path / "head_soft_label" / "metrics.json").read_text())["steps"] == 8
+    assert not (tmp_path / "head_soft_label.saving").exists()
     shutil.rmtree(tmp_path / "checkpoints")
-    with pytest.raises(DraftheadsError, match=r"past its 6 steps, but its step-6 checkpoint is not in"):
-        train_draft(cfg(8), peaked_target, feats, tmp_path)
+    with pytest.raises(DraftheadsError, match=r"past its 8 steps, but its step-8 checkpoint is not in"):
+        train_draft(cfg(10), peaked_target, feats, tmp_path)
     killed = tmp_path / "killed"
     train_draft(make_cfg(killed, steps=6, holdout_sequences=3, eval_every=2, checkpoint_every=2), peaked_target,
                 feats, killed, stop_at_step=3)
@@ -684,7 +689,7 @@ def test_steps_raised_train_on_steps_lowered_or_another_keep_best_criterion_are_
         train_draft(make_cfg(killed, steps=6, holdout_sequences=3, eval_every=2, checkpoint_every=2,
                              val_tau_chain=False), peaked_target, feats, killed)
     with pytest.raises(DraftheadsError, match=r"checkpoints_rl/step_2' is at step 2, .*\(train.rl_steps=1\)"):
-        train_draft(cfg(6, rl_steps=1), peaked_target, feats, tmp_path)
+        train_draft(cfg(8, rl_steps=1), peaked_target, feats, tmp_path)
 
 
 @pytest.mark.parametrize("target_dtype", [torch.bfloat16, torch.float32])
@@ -717,3 +722,18 @@ def test_rl_on_a_sharded_target_is_refused_before_stage_1_trains(tmp_path):
     with pytest.raises(DraftheadsError, match="RL scores drafts with the whole target on each rank"):
         train_draft(make_cfg(tmp_path, stages=["soft_label", "rl"]), sharded, [], tmp_path)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_resume_false_is_checked_after_the_main_process_removed_the_old_checkpoints(tmp_path):
+    """With 2+ processes the other ranks compare settings only after the barrier at which rank 0 has removed the
+    earlier run's checkpoints (they used to read its settings first and refuse the fresh start)."""
+    import shutil
+
+    from train.loop import check_or_record_settings
+
+    root = tmp_path / "checkpoints"
+    check_or_record_settings(root, {"train.lr": 1.0}, main=True, resume=True)
+    check_or_record_settings(root, {"train.lr": 2.0}, main=False, resume=False, wait=lambda: shutil.rmtree(root))
+    with pytest.raises(DraftheadsError, match="train.lr: 1.0 there, 2.0 now"):
+        check_or_record_settings(tmp_path / "x", {"train.lr": 1.0}, main=True, resume=True) or \
+            check_or_record_settings(tmp_path / "x", {"train.lr": 2.0}, main=False, resume=True)

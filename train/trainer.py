@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -484,8 +485,8 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
             if main:
                 print(f"[draftheads] soft_label: already done ({stage_dir})")
         else:
-            if main and stage_dir.exists():  # an earlier head (resume=false), an unfinished save, or one to train on
-                shutil.rmtree(stage_dir)
+            if main and stage_dir.exists() and not longer:  # an earlier head (resume=false) or an unfinished save
+                shutil.rmtree(stage_dir)  # (one to train on stays until the longer run's head replaces it)
             if main and longer:
                 print(f"[draftheads] soft_label: train.steps={tc.steps} is past the head's steps: training on from "
                       "its last checkpoint" + ("; RL's checkpoints, made from the old head, are removed" if
@@ -570,12 +571,17 @@ def data_identity(dataset) -> str | None:
 
 def _save_head(accelerator, head, state: dict | None, out_dir: Path, target, resolved, metrics, settings) -> None:
     """The main process writes the head with `state` (the full state dict run_stage returned) and the settings that
-    made it; the others wait."""
+    made it beside `out_dir`, then puts it in the place of any head there (a kill keeps the old head or leaves none;
+    a rerun saves it again from the last checkpoint); the others wait."""
     if accelerator.is_main_process:
         final = head_from_state(head.family_name, head.config, state, target, f"the trained {head.family_name} head")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(out_dir / "settings.json", json.dumps(settings, indent=1, sort_keys=True))
-        save_draft(final, out_dir, target, resolved, metrics)  # config.json last: the head is complete
+        tmp = out_dir.with_name(out_dir.name + ".saving")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write_atomic(tmp / "settings.json", json.dumps(settings, indent=1, sort_keys=True))
+        save_draft(final, tmp, target, resolved, metrics)  # config.json last: the head is complete
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
     accelerator.wait_for_everyone()
 
 
