@@ -187,15 +187,16 @@ def check_steps(done: int, steps: int, where, option: str) -> None:
                               "use another output_dir")
 
 
-def check_settings(path: Path, settings: dict, what: str) -> None:
-    """Raise naming the differences when the settings recorded at `path` are not `settings`. An option the recording
-    lacks (it was added later) counts as its default, so a finished run still resumes under newer code; another
-    missing entry (e.g. the process count) is unknown and not compared."""
+def check_settings(path: Path, settings: dict, what: str, ignore: tuple = ()) -> None:
+    """Raise naming the differences when the settings recorded at `path` are not `settings` (but for the keys in
+    `ignore`). An option the recording lacks (it was added later) counts as its default, so a finished run still
+    resumes under newer code; another missing entry (e.g. the process count) is unknown and not compared."""
     from omegaconf import OmegaConf
 
     from conf.schema import Config
 
-    recorded = json.loads(path.read_text())
+    settings = {k: v for k, v in settings.items() if k not in ignore}
+    recorded = {k: v for k, v in json.loads(path.read_text()).items() if k not in ignore}
     defaults = OmegaConf.structured(Config)
     recorded |= {k: OmegaConf.select(defaults, k, default=settings[k]) for k in set(settings) - set(recorded)}
     keys = sorted(set(recorded) | set(settings))

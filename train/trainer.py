@@ -479,7 +479,8 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
             ({"start_weights": _head_identity(dc.init_from)} if dc.init_from else {})
         finished = (stage_dir / "config.json").is_file() and tc.resume
         if finished and (stage_dir / "settings.json").is_file():
-            check_settings(stage_dir / "settings.json", settings, f"the stage-1 head in '{stage_dir}'")
+            check_settings(stage_dir / "settings.json", settings, f"the stage-1 head in '{stage_dir}'",
+                           ignore=("processes",))  # a finished head is used alike; training on checks its checkpoints
         longer = finished and _trains_on(stage_dir, out / "checkpoints", tc.steps)
         if finished and not longer:
             if main:
