@@ -738,3 +738,19 @@ def test_resume_false_is_checked_after_the_main_process_removed_the_old_checkpoi
     check_or_record_settings(tmp_path / "x", {"train.lr": 1.0}, main=True, resume=True)
     with pytest.raises(DraftheadsError, match="train.lr: 1.0 there, 2.0 now"):  # a resume is still checked
         check_or_record_settings(tmp_path / "x", {"train.lr": 2.0}, main=False, resume=True)
+
+
+def test_checkpoints_of_another_layout_are_refused_by_name(tmp_path):
+    """DDP checkpoints resumed under DeepSpeed failed inside DeepSpeed and read as 'damaged' (delete it): the layout
+    is a recorded setting, so the resume names it instead."""
+    from train.loop import check_or_record_settings
+    from train.trainer import stage_settings
+
+    cfg = make_cfg(tmp_path)
+    check_or_record_settings(tmp_path / "ckpt", stage_settings(cfg, "soft_label", None, None), main=True, resume=True)
+    cfg.accelerate.strategy = "zero2"
+    with pytest.raises(DraftheadsError, match="checkpoint_layout: 'plain' there, 'deepspeed' now"):
+        check_or_record_settings(tmp_path / "ckpt", stage_settings(cfg, "soft_label", None, None), main=True,
+                                 resume=True)
+    cfg.accelerate.strategy = "ddp"  # the same layout as one process
+    check_or_record_settings(tmp_path / "ckpt", stage_settings(cfg, "soft_label", None, None), main=True, resume=True)

@@ -480,7 +480,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
         finished = (stage_dir / "config.json").is_file() and tc.resume
         if finished and (stage_dir / "settings.json").is_file():
             check_settings(stage_dir / "settings.json", settings, f"the stage-1 head in '{stage_dir}'",
-                           ignore=("processes",))  # a finished head is used alike; training on checks its checkpoints
+                           ignore=("processes", "checkpoint_layout"))  # used alike; training on checks checkpoints
         longer = finished and _trains_on(stage_dir, out / "checkpoints", tc.steps)
         if finished and not longer:
             if main:
@@ -550,16 +550,18 @@ NOT_SHAPING = {"steps", "rl_steps", "checkpoint_every", "eval_every", "val_tau_c
 def stage_settings(cfg, stage: str, data_id, start, processes: int = 1) -> dict:
     """What shapes a stage's weights, flat: draft.*, train.* (RL's knobs for RL only; steps may be raised to train
     longer), the data it reads, the head it starts from and the process count (each step reads train.grad_accum
-    micro-batches per process: resuming with another count would re-read or skip data). Recorded with its checkpoints
-    and its head."""
+    micro-batches per process: resuming with another count would re-read or skip data) and the layout its checkpoints
+    are written in (accelerate.strategy: single / ddp, fsdp, zero*). Recorded with its checkpoints and its head."""
     from omegaconf import OmegaConf
 
     flat = {f"draft.{k}": v for k, v in OmegaConf.to_container(cfg.draft, resolve=True).items()}
     for k, v in OmegaConf.to_container(cfg.train, resolve=True).items():
         if k not in NOT_SHAPING and (stage == "rl" or not k.startswith("rl_")):
             flat[f"train.{k}"] = v
+    strategy = cfg.accelerate.strategy
+    layout = "deepspeed" if strategy.startswith("zero") else "fsdp" if strategy == "fsdp" else "plain"
     return {"stage": stage, **flat, "data": data_id, "start": None if start is None else str(start),
-            "processes": processes}
+            "processes": processes, "checkpoint_layout": layout}  # DeepSpeed / FSDP checkpoints read only as written
 
 
 def data_identity(dataset) -> str | None:
