@@ -296,3 +296,24 @@ def test_rl_keeps_training_a_dspark_confidence_head(tiny_target):
     loss, stats = rl_step_fn(head, None, tiny_target, items, tc, K, tiny_target.device)(head, 0, 1.0)
     loss.backward()
     assert "confidence_loss" not in stats and head.confidence.weight.grad is None
+
+
+def test_rl_validation_gives_every_rank_the_same_rollout_calls(tiny_target, monkeypatch):
+    """A chunk whose sequences have no anchor is left out before the chunks are split over ranks: a rank that skipped
+    its rollouts would leave the other in a collective forward (DDP buffers, FSDP gathers) alone."""
+    import train.rl as rl
+    from train.loop import Shard
+
+    items = held_out(tiny_target, n=5)
+    items = items[-1:] * 2 + items[:2] + items[-1:] * 2 + items[2:4]  # chunks 0, 2: anchor-less; 1, 3: usable
+    head = peagle_for_target(tiny_target, k=K, num_layers=1, parallel=False)
+    validate = rl_validation_fn(head, tiny_target, items, rl_train_cfg(), K, tiny_target.device)
+    calls = []
+    real_rollout = rl.rollout
+    monkeypatch.setattr(rl, "rollout", lambda *a, **kw: calls.append(1) or real_rollout(*a, **kw))
+    whole = validate()
+    assert len(calls) == 2 and whole["val_blocks"] == 16
+    for rank in (0, 1):
+        calls.clear()
+        validate(shard=Shard(rank, 2))
+        assert len(calls) == 1

@@ -364,21 +364,25 @@ def rl_validation_fn(head, target, holdout, tc, k: int, device, fill=None):
     train.rl_temperature, else the schedule's end temperature."""
     scorer = compact_forward(target)
     serve_t = tc.temperature.end if tc.rl_temperature is None else tc.rl_temperature
-    n_chunks = math.ceil(len(holdout) / tc.batch_size)
+    spans = [range(s, min(s + tc.batch_size, len(holdout))) for s in range(0, len(holdout), tc.batch_size)]
+    # chunks with an anchor somewhere, chosen from the data alone: every rank runs a rollout (a collective forward
+    # under DDP / FSDP) in each of its calls, none skips
+    usable = [c for c, span in enumerate(spans)
+              if any(pick_anchors(holdout[i], 1, tc.rl_max_context, torch.Generator()) for i in span)]
+    if not usable:
+        raise _no_anchor_error(tc, "held-out ")
 
     @torch.no_grad()
     def validate(model=None, shard: Shard = Shard()) -> dict:
         tally = Tally()
-        for chunk, real in shard.calls(n_chunks):
+        for j, real in shard.calls(len(usable)):
+            chunk = usable[j]
             g = torch.Generator().manual_seed(tc.seed * BLOCK_SEED + HOLDOUT_SEED + chunk)
-            start = chunk * tc.batch_size
-            items = [holdout[i] for i in range(start, min(start + tc.batch_size, len(holdout)))]
+            items = [holdout[i] for i in spans[chunk]]
             if fill is not None:
                 items = fill(items)
             picked = [(it, pick_anchors(it, tc.rl_anchors, tc.rl_max_context, g)) for it in items]
-            picked = [(it, a) for it, a in picked if a]
-            if not picked:
-                continue
+            picked = [(it, a) for it, a in picked if a]  # not empty: the chunk is usable
             r = rollout(head if model is None else model, head, scorer, [it for it, _ in picked],
                         [a for _, a in picked], tc, k, serve_t, g, device)
             if real:
