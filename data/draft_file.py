@@ -53,6 +53,7 @@ M64 = (1 << 64) - 1
 C1, C2, C3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 SEED = 0x2545F4914F6CDD1D
 U64 = np.uint64
+INDEX_CHUNK = 1 << 22  # keys per step of building the index: its peak beyond the index itself stays ~100 MB
 KEYS_PER_BUCKET = 2  # average keys per bucket of the lookup index (its size: 4 / KEYS_PER_BUCKET bytes a key)
 SECTIONS = ("keys", "key_orders", "key_totals", "key_offsets", "entry_tokens", "entry_counts",
             "corpus_tokens", "doc_offsets", "val_tokens", "val_offsets")
@@ -167,6 +168,9 @@ class DraftFile:
             count = int(np.prod(shape))
             setattr(self, name, np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape))
         self.orders = tuple(self.header["orders"])
+        if list(self.orders) != sorted(set(self.orders)):
+            raise DraftheadsError(f"draft file '{self.path}' lists orders {list(self.orders)}, not ascending once "
+                                  "each (a build before 2026-12-06 took repeated --orders); rebuild it")
         self.max_len = self.header["max_len"]
         self.pad = int(np.iinfo(np.dtype(self.header["token_dtype"])).max)
         self._orders_desc_k = sorted(self.orders, reverse=True)
@@ -209,10 +213,15 @@ class DraftFile:
     def _index(self) -> None:
         bits = max(1, math.ceil(math.log2(max(1, self.n_keys) / KEYS_PER_BUCKET)))
         self._shift = 64 - bits
-        per = np.bincount((self.keys >> U64(self._shift)).astype(np.intp), minlength=1 << bits)
-        self._bucket = np.r_[0, np.cumsum(per)].astype(np.uint32 if self.n_keys < 2**32 else np.int64)  # keys of
-        # bucket b: [bucket[b], bucket[b+1])
-        self._window = np.arange(max(1, int(per.max())))  # offsets into a bucket, up to the widest
+        dtype = np.uint32 if self.n_keys < 2**32 else np.int64
+        self._bucket = np.zeros((1 << bits) + 1, dtype)  # keys of bucket b: [bucket[b], bucket[b+1])
+        per = self._bucket[1:]  # keys per bucket, counted in place, then summed in place
+        for a in range(0, self.n_keys, INDEX_CHUNK):  # sorted keys: each chunk's buckets are one ascending range
+            top = (self.keys[a: a + INDEX_CHUNK] >> U64(self._shift)).astype(np.intp)
+            per[top[0]: top[-1] + 1] += np.bincount(top - top[0]).astype(dtype)
+        widest = int(per.max()) if self.n_keys else 1
+        np.cumsum(per, out=per)
+        self._window = np.arange(max(1, widest))  # offsets into a bucket, up to the widest
         self._find_one = (_as_ints(self._bucket), _as_ints(self.keys))
         if self.use_compiled and _CompiledTable is None:
             warnings.warn("draft-file lookups run on the numpy reference (3-10x slower): data/_draft_lookup.c was not "

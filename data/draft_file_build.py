@@ -142,6 +142,19 @@ class _Validation:
 # ---------------------------------------------------------------------------------------------
 # building
 # ---------------------------------------------------------------------------------------------
+def _remove_dead_builds(directory: Path) -> None:
+    """Working directories of builds killed (-9, out of memory) beside `directory`'s files: their corpus copy, token
+    stream and runs hold ~10 bytes a token. A live build's (its process still runs) is left alone."""
+    import shutil
+
+    from models.files import _alive
+
+    for d in directory.glob(".dfl-build-*"):
+        pid = d.name[len(".dfl-build-"):].split("-")[0]
+        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: str, vocab_size: int,
           orders=(1, 2, 3, 4), continuations: int = 4, max_len: int = 8, min_count: int = 2,
           coverage: float | None = None, validation: float = 0.02, keep_corpus: bool = True,
@@ -158,6 +171,8 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
 
     t0, cpu0 = time.perf_counter(), time.process_time()
     orders = tuple(sorted(int(o) for o in orders))
+    if len(set(orders)) != len(orders):
+        raise DraftheadsError(f"draft file build: orders {list(orders)} repeat an order; give each once")
     if not orders or orders[0] < 1 or continuations < 1 or max_len < 1 or min_count < 1:
         raise DraftheadsError(f"draft file build needs orders >= 1, continuations >= 1, max-len >= 1, min-count >= 1; "
                               f"got orders={orders}, continuations={continuations}, max-len={max_len}, min-count={min_count}")
@@ -170,10 +185,15 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
     bar = lambda **kw: tqdm(disable=not progress, dynamic_ncols=True, leave=False, **kw)  # noqa: E731
     tdt = token_dtype(vocab_size)
     spec = WindowSpec(orders, continuations, max_len, tdt)
+    if spec.n_words * spec.per_word > MAX_WINDOW:  # sorted windows span whole words: their shared prefix too
+        widest = MAX_WINDOW // spec.per_word * spec.per_word
+        raise DraftheadsError(f"draft file build: with {spec.bits}-bit tokens order + max-len must be <= {widest}; got "
+                              f"{orders[-1]} + {max_len}")
     memory = max(int(memory_mb * 2**20), 1 << 16)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".dfl-build-") as tmp:
+    _remove_dead_builds(out.parent)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".dfl-build-{os.getpid()}-") as tmp:
         tmp = Path(tmp)
         docs, val = TokenStream(tmp / "corpus.bin", tdt, spec, vocab_size), TokenStream(tmp / "val.bin", tdt)
         sources = list(base.header["sources"]) if base is not None else []
@@ -193,6 +213,9 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
                 if top >= vocab_size:
                     raise DraftheadsError(f"tokenizer produced id {top} >= vocab size {vocab_size}; "
                                           "pass the target whose tokenizer this is (--target)")
+                low = min((int(i.min()) for i in ids if len(i)), default=0)
+                if low < 0:
+                    raise DraftheadsError(f"a tokenized document holds id {low}: token ids are 0..{vocab_size - 1}")
                 held = [is_validation(text if text is not None else i.tobytes(), validation) for i, text in batch]
                 docs.add([i for i, h in zip(ids, held) if not h])
                 val.add([i for i, h in zip(ids, held) if h])

@@ -51,10 +51,16 @@ class Partitions:
         if len(self.stream) >= 1 << 40:
             raise DraftheadsError(f"draft file build: {len(self.stream):,} tokens are more than one build takes "
                                   "(2^40); split the corpus and merge")
+        if len(self.first) and int(self.first.max()) >= 1 << 32:  # bounds every count and total: all are uint32
+            raise DraftheadsError(f"draft file build: a token starts {int(self.first.max()):,} windows, more than the "
+                                  "file's 32-bit counts hold; split the corpus into builds under 4 billion tokens")
         self.windows = int(self.first.sum())
-        capacity = max(1, memory_bytes // threads // _group_bytes_per_window(spec))  # windows one worker holds
+        per_window = _group_bytes_per_window(spec)
+        capacity = max(1, memory_bytes // threads // per_window)  # windows one worker holds
         self.fine = min(FINE_WINDOWS, capacity)
-        self._plan(max(capacity, -(-self.windows // MAX_GROUPS)))
+        group = max(capacity, -(-self.windows // MAX_GROUPS))  # past MAX_GROUPS groups grow with the corpus...
+        self.threads = max(1, min(threads, memory_bytes // (group * per_window)))  # ...and fewer count at once
+        self._plan(group)
         spread = np.flatnonzero(self.pieces > 1)
         self.spread = len(spread) > 0
         self.spread_totals = {}  # order-1 key of each spread first token -> its occurrences

@@ -407,3 +407,25 @@ def test_a_rebuild_in_place_leaves_open_readers_on_the_old_file(tmp_path):
     after = old.lookup_batch(contexts)
     assert np.array_equal(after.tokens, before.tokens) and np.array_equal(after.order, before.order)
     assert DraftFile(out).n_keys == 0 and [p.name for p in tmp_path.iterdir() if p.is_file()] == ["d.dfl"]
+
+
+def test_builds_the_format_cannot_hold_are_refused_before_counting(tmp_path):
+    """Windows spanning 256 tokens once padded to whole sort words (16-bit tokens: order + max-len 253-255) wrapped
+    the shared-prefix count and counted one context as many; repeated orders built a file no lookup could read;
+    a negative id in pre-tokenized documents failed deep inside numpy."""
+    corpus = [write_corpus(tmp_path, "c", 2)]
+    with pytest.raises(DraftheadsError, match=r"with 16-bit tokens order \+ max-len must be <= 252; got 4 \+ 250"):
+        build_tiny(corpus, tmp_path / "x.dfl", orders=(1, 4), max_len=250)
+    with pytest.raises(DraftheadsError, match=r"orders \[1, 2, 2\] repeat an order"):
+        build_tiny(corpus, tmp_path / "x.dfl", orders=(1, 2, 2))
+    with pytest.raises(DraftheadsError, match="a tokenized document holds id -1"):
+        build_tiny([], tmp_path / "x.dfl", token_docs=[[5, 6, -1, 7]])
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f".dfl-build-{int(gone.stdout)}-abc"  # what a build killed with -9 leaves
+    dead.mkdir()
+    (dead / "corpus.bin").write_bytes(b"x" * 100)
+    build_tiny(corpus, tmp_path / "x.dfl")
+    assert not dead.exists() and (tmp_path / "x.dfl").is_file()
