@@ -66,6 +66,15 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(directory: Path) -> None:
+    """Flush every file under `directory` (written by another library, e.g. accelerate's save_state) and the
+    directory itself, before a marker that says they are complete."""
+    for path in sorted(Path(directory).rglob("*")):
+        if path.is_file():
+            _fsync(path)
+    _fsync(Path(directory))
+
+
 def write_atomic(path: str | Path, data: bytes | str) -> None:
     write_whole(Path(path), lambda tmp: tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data))
 

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from inference.host_memory import release_freed_memory
 from models.errors import DraftheadsError
-from models.files import save_tensors, write_atomic
+from models.files import fsync_tree, save_tensors, write_atomic
 from train.temperature import temperature_at
 
 SUMMED = ("tokens", "val_blocks")  # stats added up over micro-batches and ranks; every other one is averaged
@@ -404,6 +404,7 @@ def _save_checkpoint(accelerator, root: Path, step: int, keep: int = 2) -> None:
     accelerator.save_state(str(path))  # every rank: sharded strategies write their own shards
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        fsync_tree(path)  # on disk before the marker: a crashed machine must not leave a "complete" empty file
         write_atomic(path / "trainer_state.json", json.dumps({"step": step}).encode())  # the completion marker
         done = sorted((p for p in root.glob("step_*") if (p / "trainer_state.json").is_file()),
                       key=lambda p: int(p.name.split("_")[1]))
