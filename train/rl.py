@@ -37,7 +37,6 @@ val_tau_chain (train.val_tau_chain).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
