@@ -58,7 +58,8 @@ class StaticKVCache:
     def reader(self, rows: Tensor) -> slice | Tensor:
         """How a forward over requests `rows` reads the cache, decided once per forward: consecutive rows as a slice (a
         view, nothing copied), any other set as the rows to gather in every layer. A static cache reads all its rows as
-        a slice, and a subset by gathering (its rows' values may change between CUDA-graph replays)."""
+        a slice, and a subset by gathering (its rows' values may change between CUDA-graph replays): `rows` of a full
+        batch must then be 0..R-1 in order (deciding by value would need a host sync inside the graph)."""
         R = rows.numel()
         if self.static:
             return slice(0, R) if R == self.batch_size else rows

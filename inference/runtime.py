@@ -176,6 +176,7 @@ class Runtime:
             groups = plan_groups(sizes, self.cost) if self.cost is not None else [list(range(len(active)))]
             free = {b: self.cache.max_len - self.cache_len(row_of[b]) for b in active}
             for members in (part for g in groups for part in fitting_groups([active[i] for i in g], drafts, free)):
+                members = sorted(members, key=row_of.__getitem__)  # cache rows ascending (see KVCache.reader)
                 t0 = time.perf_counter()
                 results = self._verify_group(members, [row_of[b] for b in members], drafts, sampling, gen, aux, final)
                 self._sync()
@@ -249,6 +250,8 @@ class Runtime:
         """One target forward over [anchor, draft] of each member request (padded to the longest), whose keys and
         values sit in cache_rows; accept; commit."""
         R = len(members)
+        if cache_rows != sorted(cache_rows):  # a static cache reads a full batch as rows 0..R-1, in that order
+            raise AssertionError(f"verify rows {cache_rows} are not ascending")
         T = 1 + max(drafts[b].size for b in members)
         if self.compiled:  # a few input widths -> a few CUDA graphs
             T = min(1 << (T - 1).bit_length(), self.cache.max_len - max(self.cache_len(c) for c in cache_rows))

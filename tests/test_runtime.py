@@ -351,6 +351,14 @@ def test_static_graph_path_is_lossless(tiny_target, tree):
     g = rt.generate(prompts, 20, source=OracleSource(prompts, ref, tree=tree, needs_features=True), k=3,
                     ignore_eos=True)
     assert g.tokens == ref and all(T in (1, 2, 4, 8) for _, T in rt.forward.graphs)
+    # a verify cost that groups the whole batch, whose planner orders members by draft size: the full batch is read
+    # as cache rows 0..2 in order, so its members must come in that order (they came permuted: other rows' keys)
+    from inference.schedulers import VerifyCost
+
+    rt.cost = VerifyCost([1, 64], [1.0, 1.0001])
+    g = rt.generate(prompts, 20, source=OracleSource(prompts, ref, tree=tree, needs_features=True), k=3,
+                    ignore_eos=True)
+    assert g.tokens == ref
 
 
 @pytest.mark.parametrize("graphs", [False, True])
