@@ -675,9 +675,11 @@ def test_steps_raised_train_on_steps_lowered_or_another_keep_best_criterion_are_
     assert [r["step"] for r in rows if "loss" in r and r["stage"] == "soft_label"] == list(range(1, 7))
     assert [r["step"] for r in rows if "loss" in r and r["stage"] == "rl"] == [1, 2]  # RL ran again, once
     assert json.loads((tmp_path / "head_soft_label" / "metrics.json").read_text())["steps"] == 6
-    train_draft(cfg(8), peaked_target, feats, tmp_path, stop_at_step=7)  # an extension killed: its start head stays
+    train_draft(cfg(10), peaked_target, feats, tmp_path, stop_at_step=9)  # an extension killed past a checkpoint:
+    assert json.loads((tmp_path / "head_soft_label" / "metrics.json").read_text())["steps"] == 6  # its start stays
+    train_draft(cfg(6), peaked_target, feats, tmp_path)  # ... and is what the old step count still gets
     assert json.loads((tmp_path / "head_soft_label" / "metrics.json").read_text())["steps"] == 6
-    train_draft(cfg(8), peaked_target, feats, tmp_path)
+    train_draft(cfg(8), peaked_target, feats, tmp_path)  # a shorter extension, resumed from the killed one's step 8
     assert json.loads((tmp_path / "head_soft_label" / "metrics.json").read_text())["steps"] == 8
     assert not (tmp_path / "head_soft_label.saving").exists()
     shutil.rmtree(tmp_path / "checkpoints")

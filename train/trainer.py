@@ -606,14 +606,15 @@ def _head_identity(head_dir) -> str:
 
 def _trains_on(stage_dir: Path, ckpt_root: Path, steps: int) -> bool:
     """Whether a finished stage-1 head trains on to `steps` (train.steps raised) from its last checkpoint: the steps
-    it ran are recorded with it (older heads: its newest checkpoint's, else unknown: done). Fewer steps than it ran,
-    or a last checkpoint that is gone, is an error naming train.steps."""
+    it ran are recorded with it (older heads: its newest checkpoint's, else unknown: done). It resumes from its own
+    last checkpoint or a later one (an extension killed on the way). Fewer steps than it ran, or no checkpoint from
+    its last step on, is an error naming train.steps."""
     newest = newest_checkpoint(ckpt_root)[0]
     trained = _read_metrics(stage_dir).get("steps", newest or None)
     if trained is None or trained == steps:
         return False
     check_steps(trained, steps, stage_dir, "train.steps")
-    if newest != trained:
+    if newest is None or newest < trained:
         raise DraftheadsError(f"train.steps={steps} would train '{stage_dir}' on past its {trained} steps, but "
                               f"its step-{trained} checkpoint is not in '{ckpt_root}'; set train.steps={trained} to "
                               "use the head as it is, or train.resume=false to start over")
