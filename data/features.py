@@ -84,7 +84,9 @@ def extract_features(target: Target, sequences: list[tuple[Tensor, Tensor]], out
     if len(mine) < start or recorded not in (None, digest.hexdigest()):
         if manifest.get("first", lo) == lo:  # this block, other sequences
             raise _changed(out, start, len(mine))
-        # more (or fewer) sequences moved the start of this rank's block: its part is made again
+        # more (or fewer) sequences moved the start of this rank's block: its part is made again, over shard files
+        # the merged manifest lists, so that manifest goes first (merge_parts writes the new one)
+        (out / MANIFEST).unlink(missing_ok=True)
         manifest.update(shards=[], sequences_done=0, complete=False)
         start, digest = 0, _sequences_digest([])
     manifest["first"] = lo

@@ -82,7 +82,7 @@ def iter_json_array(path: Path, stats: ReadStats, chunk_chars: int = 1 << 20) ->
     decoder = json.JSONDecoder()
     with _open_text(path) as f:
         buf, pos, eof, dropped = _read(f, chunk_chars), 0, False, 0  # dropped: characters consumed and freed
-        keys = None  # the last record's keys: what a record (not an object nested in one) looks like
+        keys = None  # (keys every record had, keys any had): what a record, not an object nested in one, looks like
         start = len(buf) - len(buf.lstrip("\ufeff \t\r\n"))
         if not buf[start:start + 1] == "[":
             raise DraftheadsError(f"'{path}' is not a JSON array of records (it starts with {buf[start:start + 20]!r}, "
@@ -110,7 +110,8 @@ def iter_json_array(path: Path, stats: ReadStats, chunk_chars: int = 1 << 20) ->
                 buf, pos, dropped = buf[pos:] + more, 0, dropped + pos
                 continue
             pos = end
-            keys = set(obj) if isinstance(obj, dict) else keys
+            if isinstance(obj, dict):
+                keys = (set(obj), set(obj)) if keys is None else (keys[0] & set(obj), keys[1] | set(obj))
             yield obj
             if pos > chunk_chars:  # drop consumed text so memory stays bounded
                 buf, pos, dropped = buf[pos:], 0, dropped + pos
@@ -119,9 +120,10 @@ def iter_json_array(path: Path, stats: ReadStats, chunk_chars: int = 1 << 20) ->
 MAX_RECORD_CHARS = 64 << 20  # no conversation is this long: an undecodable stretch past it is a malformed record
 
 
-def _holds_a_record(decoder: json.JSONDecoder, text: str, keys: set | None, tries: int = 10_000) -> bool:
-    """Whether a complete record (a JSON object with the record keys `keys`) starts after some ', {' of `text` (the
-    tail after a record that does not decode). Objects nested in a cut record (ShareGPT's turns) have other keys."""
+def _holds_a_record(decoder: json.JSONDecoder, text: str, keys: tuple | None, tries: int = 10_000) -> bool:
+    """Whether a complete record (a JSON object with every key all records had, and no key none had: `keys`) starts
+    after some ', {' of `text` (the tail after a record that does not decode). Objects nested in a cut record
+    (ShareGPT's turns) have other keys."""
     for i, match in enumerate(re.finditer(r",\s*\{", text)):
         if i >= tries:
             return False
@@ -129,7 +131,7 @@ def _holds_a_record(decoder: json.JSONDecoder, text: str, keys: set | None, trie
             obj, _ = decoder.raw_decode(text, match.end() - 1)
         except json.JSONDecodeError:
             continue
-        if isinstance(obj, dict) and keys is not None and set(obj) == keys:
+        if isinstance(obj, dict) and keys is not None and keys[0] <= set(obj) <= keys[1]:
             return True
     return False
 

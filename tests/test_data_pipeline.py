@@ -217,6 +217,8 @@ def test_two_processes_extend_features_to_more_sequences(tiny_target, tmp_path):
     for n in (6, 10):
         for rank in (0, 1):
             extract_features(tiny_target, seqs[:n], tmp_path / "two", shard_tokens=64, rank=rank, world=2)
+            if n == 10 and rank == 1:  # its part is being made again: the 6-sequence directory is no longer whole
+                assert not (tmp_path / "two" / "manifest.json").exists()
         merge_parts(tmp_path / "two", 2)
     extract_features(tiny_target, seqs, tmp_path / "one", shard_tokens=64)
     two, one = FeatureDataset(tmp_path / "two"), FeatureDataset(tmp_path / "one")

@@ -30,6 +30,11 @@ def test_a_malformed_record_before_others_is_an_error_not_a_truncated_tail(tmp_p
     (tmp_path / "sg.json").write_text(text)
     with pytest.raises(DraftheadsError, match="the record at character 305 is malformed .* and records follow it"):
         list(read_conversations("sharegpt", str(tmp_path / "sg.json")))
+    records = [GOOD, GOOD, {**GOOD, "model": "m"}]  # the record before the bad one has an optional key
+    (tmp_path / "sg.json").write_text("[" + ",".join(json.dumps(r) for r in records) + ',{"id": "x",, "c": 1},' +
+                                      ",".join(json.dumps(GOOD) for _ in range(3)) + "]")
+    with pytest.raises(DraftheadsError, match="is malformed .* and records follow it"):
+        list(read_conversations("sharegpt", str(tmp_path / "sg.json")))
     (tmp_path / "wrapped.json").write_text(json.dumps({"train": [GOOD], "test": [GOOD]}))
     with pytest.raises(DraftheadsError, match="is not a JSON array of records .it starts with"):
         list(read_conversations("sharegpt", str(tmp_path / "wrapped.json")))
