@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -143,15 +144,16 @@ class _Validation:
 # building
 # ---------------------------------------------------------------------------------------------
 def _remove_dead_builds(directory: Path) -> None:
-    """Working directories of builds killed (-9, out of memory) beside `directory`'s files: their corpus copy, token
-    stream and runs hold ~10 bytes a token. A live build's (its process still runs) is left alone."""
+    """Working directories (.dfl-build-PID@HOST.*) of this machine's builds killed (-9, out of memory) beside
+    `directory`'s files: their corpus copy, token stream and runs hold ~10 bytes a token. A live build's (its process
+    still runs) and another machine's (a shared volume) are left alone."""
     import shutil
 
     from models.files import _alive
 
-    for d in directory.glob(".dfl-build-*"):
-        pid = d.name[len(".dfl-build-"):].split("-")[0]
-        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+    for d in directory.glob(".dfl-build-*@*"):
+        pid, _, rest = d.name[len(".dfl-build-"):].partition("@")
+        if d.is_dir() and pid.isdigit() and rest.rsplit(".", 1)[0] == socket.gethostname() and not _alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -193,7 +195,7 @@ def build(corpus: list[str] | None, tokenizer, out: str | Path, *, target_name: 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_builds(out.parent)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".dfl-build-{os.getpid()}-") as tmp:
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".dfl-build-{os.getpid()}@{socket.gethostname()}.") as tmp:
         tmp = Path(tmp)
         docs, val = TokenStream(tmp / "corpus.bin", tdt, spec, vocab_size), TokenStream(tmp / "val.bin", tdt)
         sources = list(base.header["sources"]) if base is not None else []

@@ -173,7 +173,8 @@ def _read_manifest(path: Path) -> dict:
 
 def _changed(out: Path, done: int, now: int) -> DraftheadsError:
     return DraftheadsError(f"feature directory '{out}' holds features of {done} sequences that are not the first {done} "
-                           f"of the {now} the data stage gives now (data.* settings or the regenerated text changed); "
+                           f"of the {now} the data stage gives now (data.* settings, the regenerated text or the chat "
+                           "template changed); "
                            "delete it or use a new output_dir")
 
 

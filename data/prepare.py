@@ -192,6 +192,10 @@ def check_regeneration_settings(regenerated: Path, settings: dict, main: bool) -
     except ValueError:
         before = {}  # damaged: unknown settings, the same as other ones
     diff = [f"{k}: {before.get(k)!r} there, {now[k]!r} now" for k in sorted(now) if before.get(k) != now[k]]
+    if diff and record_files(regenerated) and all(d.startswith("target's chat template") for d in diff):
+        raise DraftheadsError(f"'{regenerated}' holds answers to prompts built with another chat template than the "
+                              "target's now (caches are not keyed by it); delete it and its '.settings.json' to "
+                              "regenerate under this template, or restore the template")
     if diff and record_files(regenerated):
         raise DraftheadsError(f"'{regenerated}' holds answers regenerated with other settings ({'; '.join(diff[:4])}); "
                               "rerun with those settings, use another output_dir (or data.cache_dir, which keeps one "

@@ -7,6 +7,7 @@ renamed over the old one: a reader sees the old file or the new one, never a mix
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import glob
 import os
@@ -52,16 +53,26 @@ def write_whole(path: Path, write: Callable[[Path], None]) -> None:
         write(tmp)
         _fsync(tmp)
         os.replace(tmp, path)
-        _fsync(path.parent)
+        _fsync(path.parent, directory=True)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)  # a directory opens read-only too (its entries: the rename)
+def _fsync(path: Path, directory: bool = False) -> None:
+    """Flush a file, or a directory's entries (a rename). Filesystems that cannot flush a directory (some FUSE, SMB
+    and WSL mounts: EINVAL, ENOTSUP, EBADF, EACCES) are let be: the rename itself is done."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except PermissionError:
+        if directory:
+            return
+        raise
     try:
         os.fsync(fd)
+    except OSError as e:
+        if not (directory and e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES)):
+            raise
     finally:
         os.close(fd)
 
@@ -72,7 +83,7 @@ def fsync_tree(directory: Path) -> None:
     for path in sorted(Path(directory).rglob("*")):
         if path.is_file():
             _fsync(path)
-    _fsync(Path(directory))
+    _fsync(Path(directory), directory=True)
 
 
 def write_atomic(path: str | Path, data: bytes | str) -> None:

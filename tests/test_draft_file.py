@@ -424,8 +424,12 @@ def test_builds_the_format_cannot_hold_are_refused_before_counting(tmp_path):
     import sys
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = tmp_path / f".dfl-build-{int(gone.stdout)}-abc"  # what a build killed with -9 leaves
-    dead.mkdir()
-    (dead / "corpus.bin").write_bytes(b"x" * 100)
+    import socket
+
+    dead = tmp_path / f".dfl-build-{int(gone.stdout)}@{socket.gethostname()}.abc"  # what a build killed with -9 leaves
+    elsewhere = tmp_path / f".dfl-build-{int(gone.stdout)}@another-host.abc"  # a build on a shared volume
+    for d in (dead, elsewhere):
+        d.mkdir()
+        (d / "corpus.bin").write_bytes(b"x" * 100)
     build_tiny(corpus, tmp_path / "x.dfl")
-    assert not dead.exists() and (tmp_path / "x.dfl").is_file()
+    assert not dead.exists() and elsewhere.exists() and (tmp_path / "x.dfl").is_file()

@@ -320,5 +320,5 @@ def test_another_chat_template_is_not_served_from_the_cache(tiny_target, tmp_pat
     monkeypatch.setattr(tok, "chat_template", "<!-- edited -->" + tok.chat_template)
     now = data_settings(d, tiny_target.fingerprint, 0)
     assert ready_report(tmp_path / "data", now) is None
-    with pytest.raises(DraftheadsError, match="holds answers regenerated with other settings .target's chat template"):
+    with pytest.raises(DraftheadsError, match="holds answers to prompts built with another chat template"):
         prepare_data(tiny_target, tmp_path / "data", d)
