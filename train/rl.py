@@ -55,7 +55,7 @@ from train.chain import round_start_mask
 from train.cod import CodPlan
 from train.distributed import full_parameters
 from train.loop import Shard, Stage, Tally, run_stage
-from train.trainer import batch_indices, collate, soft_label_validation
+from train.trainer import batch_indices, collate, soft_label_validation, token_fields
 
 BLOCK_SEED = 2_000_003
 HOLDOUT_SEED = 1_000_000_007  # rl_validation_fn's draws: offset far past any training micro-step
@@ -200,7 +200,7 @@ class Rollout:
     log_q: Tensor  # [N, K, V] the head's log-probs at q_t; grads when enabled
     alpha: Tensor  # [N, K] sum_v min(p_k, q_k)
     live: Tensor  # [N, K] depth k is drafted (no end of turn drawn before it)
-    confidence: Tensor | None  # [N, K] a DSpark head's confidence logits (grads when enabled), else None
+    confidence: Tensor | None  # [N, K] a DSpark head's confidence logits when training (grad enabled), else None
     survive: Tensor | None  # [N, K] their label: sum_v min(p_k, q_k) at T=1 on the full vocabulary
     terms: Tensor  # [N, K] alpha_k prod_{i<k} min(1, p_i/q_i) on the drawn tokens (0 past an end of turn)
     expected: Tensor  # [N] their sum: E[accepted]
@@ -243,7 +243,7 @@ def rollout(model, core, scorer: LlamaForward, items: list[dict], anchor_lists: 
     contexts = [it["input_ids"][: max(a) + 2].to(device) for it, a in zip(items, anchor_lists)]
     target_logits = score_blocks(scorer, contexts, anchors, y)[valid]  # [N, K, V]
     p = sampling.probs(target_logits)  # at T (one-hot at 0)
-    confident = tc.confidence_weight > 0 and hasattr(core, "confidence_logit")
+    confident = tc.confidence_weight > 0 and hasattr(core, "confidence_logit") and torch.is_grad_enabled()
     p_one = (p if serve_t == 1.0 else F.softmax(target_logits.float(), -1)) if confident else None
     del target_logits
 
@@ -367,7 +367,7 @@ def rl_validation_fn(head, target, holdout, tc, k: int, device, fill=None):
     # chunks with an anchor somewhere, chosen from the data alone: every rank runs a rollout (a collective forward
     # under DDP / FSDP) in each of its calls, none skips
     usable = [c for c, span in enumerate(spans)
-              if any(pick_anchors(holdout[i], 1, tc.rl_max_context, torch.Generator()) for i in span)]
+              if any(pick_anchors(token_fields(holdout, i), 1, tc.rl_max_context, torch.Generator()) for i in span)]
     if not usable:
         raise _no_anchor_error(tc, "held-out ")
 

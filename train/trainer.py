@@ -74,6 +74,14 @@ class Subset:
         return [every[i] for i in self.indices]
 
 
+def token_fields(dataset, i: int) -> dict:
+    """input_ids and loss_mask of sequence i: read without its hidden states where the set can (a feature
+    directory, or a Subset of one); an in-memory item as it is."""
+    if isinstance(dataset, Subset):
+        return token_fields(dataset.dataset, dataset.indices[i])
+    return dataset.tokens(i) if hasattr(dataset, "tokens") else dataset[i]
+
+
 class Concat:
     """Two feature sets as one (the domain's training split, then the replayed general sequences)."""
 
