@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, get_type_hints
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+MISSING = "???"  # omegaconf's marker of a required value (this module imports without omegaconf or Hydra: the
+# benchmarks' flag checks read it on machines that have neither)
 
 
 @dataclass
@@ -171,6 +171,8 @@ class Config:
 
 
 def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, node in [("target", TargetConfig), ("draft", DraftConfig), ("data", DataConfig), ("train", TrainConfig),

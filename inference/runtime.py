@@ -87,6 +87,10 @@ class Runtime:
         self.eos = set(eos_token_ids(target))
         self.cost = cost  # verify cost curve; None = one padded forward per round
         self.device = target.device
+        if self.device.type == "cuda" and row_invariant:  # cuBLAS may reduce a half-precision GEMM's split-K parts
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # in bf16, by row count
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+            torch.backends.cuda.matmul.allow_tf32 = False
         self.tokens = torch.zeros(batch_size, max_len + 1, dtype=torch.long)  # committed tokens, host side
         self._aux = self._final = None
 

@@ -43,6 +43,17 @@ def test_speedup_refuses_bad_numbers(flags, message, capsys):
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]
 
 
+def test_the_benchmarks_run_without_hydra_or_omegaconf():
+    """eval/gpu_check.sh runs them on a GPU image that may have neither: their flag checks come from conf.schema,
+    which must import without them (Hydra is for train.distill's configs)."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['hydra'] = sys.modules['omegaconf'] = None; import eval.speedup, eval.acceptance"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-500:]
+
+
 def test_categories_are_read_the_same_way_by_both_benchmarks():
     assert acceptance.parse_categories(" writing, coding ,") == ["writing", "coding"]
     assert acceptance.parse_categories("") is None and acceptance.parse_categories(None) is None
