@@ -66,6 +66,7 @@ class TemperatureConfig:
     end: float = 1.0
     schedule: str = "constant"  # constant | linear | cosine | exp
     steps: Optional[int] = None  # None = the stage's steps
+    scale_loss: bool = False  # the distillation term times T^2 (Hinton et al.): its gradient keeps its size as T moves
 
 
 @dataclass

@@ -28,3 +28,21 @@ def test_bad_input_is_a_clear_error():
         temperature_at(0, 1.0, 1.0, "step", 10)
     with pytest.raises(DraftheadsError, match="> 0"):
         temperature_at(0, 0.0, 1.0, "linear", 10)
+
+
+def test_scale_loss_multiplies_the_distillation_term_by_t_squared(tiny_target):
+    """train.temperature.scale_loss: the soft-label term at T counts T^2 times (Hinton et al.), nothing else moves."""
+    import torch
+
+    from models.peagle import peagle_for_target
+    from tests.test_trainer import make_cfg, tiny_features
+    from train.trainer import soft_label_loss
+
+    torch.manual_seed(0)
+    head = peagle_for_target(tiny_target, k=3)
+    items = tiny_features(tiny_target, n=2)
+    tc = make_cfg("unused", ce_weight=0.0).train
+    plain = soft_label_loss(tiny_target, tc, 3, "peagle", tiny_target.device)(head, items, 0, 2.0)[0]
+    tc.temperature.scale_loss = True
+    scaled = soft_label_loss(tiny_target, tc, 3, "peagle", tiny_target.device)(head, items, 0, 2.0)[0]
+    assert float(scaled.detach()) == pytest.approx(4 * float(plain.detach()), rel=1e-5)

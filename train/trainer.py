@@ -424,6 +424,8 @@ def _chunk_loss(core, hidden, depth, p: Softmax, labels, best, w, tc, temperatur
         logits = core.logits_for(h, depth)
         q = Softmax(logits, temperature)
         per = tc.distill_weight * distill_loss(tc.loss, p, q, tv_weight=tc.lk_tv_weight)
+        if tc.temperature.scale_loss:  # soft targets at T: gradients shrink ~1/T^2 beside the CE at T = 1
+            per = per * temperature ** 2
         if ref is not None:
             per = per + tc.hidden_weight * F.smooth_l1_loss(h.float(), ref.float(), reduction="none").mean(-1)
         if tc.ce_weight > 0:
