@@ -144,7 +144,14 @@ def test_a_damaged_best_marker_counts_as_no_best(tmp_path):
     (tmp_path / "best" / "best.json").write_text('{"step": 4, "val_loss": 1.5}')
     assert _read_best(tmp_path) is None  # the weights it marks are missing
     (tmp_path / "best" / "model.safetensors").write_bytes(b"")
-    assert _read_best(tmp_path) == {"step": 4, "val_loss": 1.5}
+    assert _read_best(tmp_path) == {"step": 4, "val_loss": 1.5}  # a record from before records named their file
+    # a kill after the step-6 weights and before their record: the step-4 record still names its own weights
+    named = {"step": 4, "val_loss": 1.5, "file": "model_step4.safetensors"}
+    (tmp_path / "best" / "best.json").write_text(json.dumps(named))
+    (tmp_path / "best" / "model_step6.safetensors").write_bytes(b"")
+    assert _read_best(tmp_path) is None
+    (tmp_path / "best" / "model_step4.safetensors").write_bytes(b"")
+    assert _read_best(tmp_path) == named
 
 
 @pytest.mark.parametrize("call", ["check_writable", "write_atomic"])

@@ -262,6 +262,10 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
                               f"{best.get('by', 'val_loss')}, this run would choose by {stage.keep_best_by} "
                               "(train.keep_best_by / train.val_tau_chain changed): set them back to resume, or set "
                               "train.resume=false to start the stage over")
+    if best is not None and best["step"] > step:  # kept by the killed run past where this one resumes: it validates
+        best = None  # those steps again, so the kept weights are always this run's
+        if main:
+            shutil.rmtree(stage.ckpt_root / "best", ignore_errors=True)
     if stage.validate is not None and not stage.keep_best and step == 0:
         log.write({"stage": stage.name, "step": 0, **_validate(model, stage, shard)})
 
@@ -282,7 +286,7 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
                   f"({'lowest' if key == 'val_loss' else 'highest'} {key} {best[key]:.4f})")
         from safetensors.torch import load_file
 
-        state = load_file(stage.ckpt_root / "best" / "model.safetensors") if main else None
+        state = load_file(stage.ckpt_root / "best" / best.get("file", "model.safetensors")) if main else None
         kept = {f"best_{k}": v for k, v in best.items() if k.startswith("val_")}
         return True, state, {**logged, "best_step": best["step"], **kept}
     return True, _full_state(accelerator, model), logged
@@ -381,21 +385,27 @@ def _better(metrics: dict, best: dict | None, key: str) -> bool:
 
 
 def _read_best(root: Path) -> dict | None:
-    """The best checkpoint's record; a missing or damaged one (the save never finished) counts as none."""
+    """The best checkpoint's record; a missing or damaged one (the save never finished) counts as none. It names its
+    weights file (model_step{N}.safetensors; older records: model.safetensors), so a kill between a new weights
+    file and its record leaves the old record with its own weights."""
     try:
         best = json.loads((root / "best" / "best.json").read_text())
     except (OSError, ValueError):
         return None
     complete = isinstance(best, dict) and {"step", "val_loss"} <= best.keys()
-    return best if complete and (root / "best" / "model.safetensors").is_file() else None
+    return best if complete and (root / "best" / best.get("file", "model.safetensors")).is_file() else None
 
 
 def _save_best(accelerator, model, best_dir: Path, best: dict) -> None:
     state = _full_state(accelerator, model)
     if state is not None:
         best_dir.mkdir(parents=True, exist_ok=True)
-        save_tensors(best_dir / "model.safetensors", state)
+        best["file"] = f"model_step{best['step']}.safetensors"
+        save_tensors(best_dir / best["file"], state)
         write_atomic(best_dir / "best.json", json.dumps(best).encode())  # written last: marks the weights complete
+        for old in best_dir.glob("model*.safetensors"):
+            if old.name != best["file"]:
+                old.unlink()
     accelerator.wait_for_everyone()
 
 
