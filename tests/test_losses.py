@@ -57,7 +57,7 @@ def test_kept_and_recomputed_logits_give_the_same_loss_and_gradient(kind, monkey
     lm = torch.nn.Linear(16, 40, bias=False)
     core = SimpleNamespace(logits_for=lambda h, depth: lm(h))
     tc = SimpleNamespace(distill_weight=1.0, loss=kind, lk_tv_weight=0.5, hidden_weight=0.0, ce_weight=0.1,
-                         confidence_weight=0.0)
+                         confidence_weight=0.0, temperature=SimpleNamespace(scale_loss=False))
     tgt, labels = torch.randn(6, 40, generator=g), torch.randint(0, 40, (6,), generator=g)
     hidden0 = torch.randn(6, 16, generator=g)
     results = []
@@ -86,7 +86,7 @@ def test_confidence_label_is_acceptance_at_t1_whatever_the_distillation_temperat
     lm, conf = torch.nn.Linear(16, 40, bias=False), torch.nn.Linear(16, 1)
     core = SimpleNamespace(logits_for=lambda h, depth: lm(h), confidence_logit=lambda h, depth: conf(h).squeeze(-1))
     tc = SimpleNamespace(distill_weight=0.0, loss="fkl", lk_tv_weight=0.5, hidden_weight=0.0, ce_weight=0.0,
-                         confidence_weight=1.0)
+                         confidence_weight=1.0, temperature=SimpleNamespace(scale_loss=False))
     tgt, labels, hidden = torch.randn(6, 40, generator=g), torch.randint(0, 40, (6,), generator=g), torch.randn(6, 16)
     with torch.no_grad():
         label = 1.0 - total_variation(tgt, lm(hidden))
@@ -109,7 +109,7 @@ def test_rows_that_share_a_label_position_share_its_softmax_exactly(kind):
     lm = torch.nn.Linear(16, 40, bias=False)
     core = SimpleNamespace(logits_for=lambda h, depth: lm(h))
     tc = SimpleNamespace(distill_weight=1.0, loss=kind, lk_tv_weight=0.5, hidden_weight=0.0, ce_weight=0.1,
-                         confidence_weight=0.0)
+                         confidence_weight=0.0, temperature=SimpleNamespace(scale_loss=False))
     positions = torch.randn(4, 40, generator=g)  # 4 label positions, 9 rows
     where = torch.tensor([0, 1, 1, 2, 3, 3, 3, 0, 2])
     labels, hidden0 = torch.randint(0, 40, (9,), generator=g), torch.randn(9, 16, generator=g)
