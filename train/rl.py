@@ -244,7 +244,8 @@ def rollout(model, core, scorer: LlamaForward, items: list[dict], anchor_lists: 
     target_logits = score_blocks(scorer, contexts, anchors, y)[valid]  # [N, K, V]
     p = sampling.probs(target_logits)  # at T (one-hot at 0)
     confident = tc.confidence_weight > 0 and hasattr(core, "confidence_logit") and torch.is_grad_enabled()
-    p_one = (p if serve_t == 1.0 else F.softmax(target_logits.float(), -1)) if confident else None
+    # the confidence label is alpha at T=1: at serving T=1 alpha itself, else from the target's softmax at 1
+    p_one = F.softmax(target_logits.float(), -1) if confident and serve_t != 1.0 else None
     del target_logits
 
     # 4. the head's q on the sampled tokens (training == inference numerics)
@@ -258,16 +259,16 @@ def rollout(model, core, scorer: LlamaForward, items: list[dict], anchor_lists: 
         return logits, block_rows(head.confidence_logit(out.hidden, out.depth).float(), out, anchors, valid, k)
 
     logits, confidence = model(batch, plan, objective)
-    survive = None
-    if confident:
-        with torch.no_grad():
-            survive = acceptance_rates(p_one, F.softmax(logits.detach(), -1))
-        del p_one
     log_q = F.log_softmax(logits / q_t, -1)
     q = log_q.exp()
     q_alpha = q if serve_t > 0 else F.softmax(logits / tc.rl_surrogate_temperature, -1)
     yv = y[valid]  # [N, K]
     alpha = acceptance_rates(p, q_alpha)  # [N, K]
+    survive = None
+    if confident:
+        with torch.no_grad():
+            survive = alpha.detach() if p_one is None else acceptance_rates(p_one, F.softmax(logits.detach(), -1))
+        del p_one
     q_tok = q.gather(-1, yv[..., None]).squeeze(-1)
     p_tok = p.gather(-1, yv[..., None]).squeeze(-1)
     live = drafted(yv, eos_ids(scorer.target))
