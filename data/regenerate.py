@@ -169,8 +169,8 @@ def regenerate(
     mine_done = _read_done(mine)
     elsewhere = _records_of(out_path, but_count=world)
     beside = {}  # what the other ranks wrote: after a re-plan (more records) their ids may fall in this rank's batches
-    for r in range(world):
-        beside.update(_read_done(part_path(out_path, r, world), truncate=False) if r != rank else {})
+    for r in (r for r in range(world) if r != rank):
+        beside.update(_read_done(part_path(out_path, r, world), truncate=False))
     done = {**elsewhere, **beside, **mine_done}
     batches, skipped_long = plan_batches(target.tokenizer, conversations, turns, batch_size, max_prompt_tokens)
     decoder = None
