@@ -155,7 +155,8 @@ def regenerate(
     backend: str = "runtime",
     server: str | None = None,
 ) -> dict:
-    """Write one JSONL record per conversation: {"id", "conversation", "finished": [bool per turn], "new_tokens"}.
+    """Write one JSONL record per conversation: {"id", "conversation", "finished": [bool per turn]} (+ "served_model",
+    the server's model id, with backend openai).
     With world > 1 this rank writes its batches to its part file (the main process then calls merge_parts).
     backend: "runtime" (the project's runtime on `target`) or "openai" (the chat server at `server`).
 
@@ -173,7 +174,9 @@ def regenerate(
         beside.update(_read_done(part_path(out_path, r, world), truncate=False))
     done = {**elsewhere, **beside, **mine_done}
     batches, skipped_long = plan_batches(target.tokenizer, conversations, turns, batch_size, max_prompt_tokens)
-    decoder = None
+    decoder = ServerChat(server) if backend == "openai" else None
+    if decoder is not None:
+        decoder.check_made_by_this_model(done, out_path)
     new_tokens, t0 = 0, time.perf_counter()
     progress = _read_progress(mine) if mine_done else _no_progress()  # counts of a removed part file are void
     progress["runs"] += 1
@@ -183,9 +186,11 @@ def regenerate(
         for b, batch in enumerate(bar):
             if b % world != rank or all(i in done for _, i, _, _ in batch):
                 continue
-            decoder = decoder or (ServerChat(server) if backend == "openai" else RuntimeChat(target, dtype))
+            decoder = decoder or RuntimeChat(target, dtype)
             t_batch = time.perf_counter()
             records, n_new = _generate_batch(decoder, batch, turns, max_new, temperature, seed * 1_000_003 + b)
+            if backend == "openai":  # the served model's id: answers of another served model are not reused
+                records = [{**r, "served_model": decoder.model} for r in records]
             new_tokens += n_new
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records if r["id"] not in done))
             f.flush()
@@ -271,6 +276,14 @@ class ServerChat:
     def __init__(self, url: str, timeout: float = 3600.0):
         self.url, self.timeout = url.rstrip("/"), timeout
         self.model = self._request("/models")["data"][0]["id"]
+
+    def check_made_by_this_model(self, records: dict[int, dict], out_path: Path) -> None:
+        """Records kept from an earlier run were answered by this server's model, or an error naming both."""
+        other = {r["served_model"] for r in records.values() if r.get("served_model", self.model) != self.model}
+        if other:
+            raise DraftheadsError(f"'{out_path}' holds answers of the served model {sorted(other)[0]!r}; {self.url} "
+                                  f"serves {self.model!r} now. Serve that model again, or delete '{out_path}' (and its "
+                                  "part files) to regenerate with this one")
 
     def _request(self, path: str, body: dict | None = None) -> dict:
         import urllib.error

@@ -68,6 +68,20 @@ def test_server_backend_regenerates_turn_by_turn_and_resumes(tiny_target, tmp_pa
     assert again["new_tokens"] == 0 and len(requests) == 12 and out.read_text() == before
 
 
+def test_answers_of_another_served_model_are_refused_not_reused(tiny_target, tmp_path, fake_server):
+    """The regeneration cache is keyed by target.name, not by what the server serves: each record carries the served
+    model's id, and a rerun against a server with another model stops instead of mixing (or reusing) answers."""
+    url, requests = fake_server
+    out = tmp_path / "r.jsonl"
+    regenerate(tiny_target, CONVS[:4], out, max_new=9, turns=1, batch_size=4, backend="openai", server=url)
+    assert {json.loads(line)["served_model"] for line in out.read_text().splitlines()} == {"fake-model"}
+    lines = out.read_text().replace('"fake-model"', '"another-model"')
+    out.write_text(lines)
+    with pytest.raises(DraftheadsError, match=r"answers of the served model 'another-model'.*serves 'fake-model'"):
+        regenerate(tiny_target, CONVS, out, max_new=9, turns=1, batch_size=4, backend="openai", server=url)
+    assert out.read_text() == lines and len(requests) == 4  # nothing asked, nothing lost
+
+
 def test_unreachable_server_is_one_clear_error(tiny_target, tmp_path):
     with pytest.raises(DraftheadsError, match=r"regeneration server http://127.0.0.1:9/v1 did not answer /models.*"
                                               r"vllm.entrypoints.openai.api_server"):
