@@ -75,10 +75,19 @@ def data_settings(d, fingerprint: dict, seed: int, weights: dict | None = None) 
     regen_target = {k: fingerprint[k] for k in ("name", "tokenizer_hash")}
     if weights and "path" in weights:
         regen_target["path"] = weights["path"]
+    if rounded_weights(keep):
+        regen_target["dtype"] = rounded_weights(keep)
     regen = {k: keep[k] for k in REGEN_SHAPING + ("seed", "path_files") if k in keep}
     keep["regen_sha256"] = _digest({**regen, "target": regen_target})
     keep["chat_template"] = fingerprint.get("chat_template_hash", "")  # checked on reuse, not keyed: older keys hold
     return keep
+
+
+def rounded_weights(settings: dict) -> str | None:
+    """target.dtype when the runtime regenerates in another data.regen_dtype from weights rounded to it (a float32
+    copy of bfloat16 weights answers otherwise than the float32 weights): then it shapes the regenerated text."""
+    dtype = settings["target"].get("weights", {}).get("dtype")
+    return dtype if settings["regen_backend"] == "runtime" and dtype not in (None, settings["regen_dtype"]) else None
 
 
 def _digest(settings: dict) -> str:
@@ -183,6 +192,8 @@ def check_regeneration_settings(regenerated: Path, settings: dict, main: bool) -
          "target's chat template": settings["chat_template"]}
     if "path_files" in settings:
         now["data.path's files"] = settings["path_files"]
+    if rounded_weights(settings):
+        now["target.dtype"] = rounded_weights(settings)
     try:
         before = json.loads(stamp.read_text())
         before.setdefault("data.path's files", now.get("data.path's files"))  # stamped before files were

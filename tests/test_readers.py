@@ -218,6 +218,16 @@ def test_answers_regenerated_with_other_settings_are_never_reused(tiny_target, t
     for w in (other, weights_identity(None, "bfloat16")):
         assert data_settings(d, tiny_target.fingerprint, 0, w)["sha256"] != base["sha256"]
     assert data_settings(d, tiny_target.fingerprint, 0, other)["regen_sha256"] != base["regen_sha256"]
+    # the regenerated text: bfloat16 weights shape it only when the runtime decodes in another dtype
+    bf16 = weights_identity(None, "bfloat16")
+    assert d.regen_dtype == "bfloat16" and data_settings(d, tiny_target.fingerprint, 0, bf16)["regen_sha256"] == \
+        base["regen_sha256"]
+    d.regen_dtype = "float32"
+    assert data_settings(d, tiny_target.fingerprint, 0, bf16)["regen_sha256"] != \
+        data_settings(d, tiny_target.fingerprint, 0)["regen_sha256"]
+    prepare_data(tiny_target, tmp_path / "f32", d)
+    with pytest.raises(DraftheadsError, match="target.dtype: None there, 'bfloat16' now"):
+        prepare_data(tiny_target, tmp_path / "f32", d, weights=bf16)
 
 
 def test_data_edited_in_place_is_other_data(tiny_target, tmp_path):
