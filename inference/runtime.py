@@ -123,6 +123,8 @@ class Runtime:
         if not 0 < B <= self.cache.batch_size:
             raise DraftheadsError(f"got {B} prompts for a runtime built for batch_size={self.cache.batch_size}; "
                                   f"pass between 1 and {self.cache.batch_size} prompts or build a bigger runtime")
+        if max_new < 1:
+            raise DraftheadsError(f"max_new={max_new}: ask for at least one new token")
         prompts = [torch.as_tensor(p, dtype=torch.long).flatten().cpu() for p in prompts]
         if min(p.numel() for p in prompts) == 0:
             raise DraftheadsError("an empty prompt was given; every request needs at least one token")

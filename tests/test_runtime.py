@@ -339,6 +339,8 @@ def test_user_errors(tiny_target):
         rt.generate([list(range(3, 30))], 16)
     with pytest.raises(DraftheadsError, match="batch_size=2"):
         rt.generate([[5], [6], [7]], 4)
+    with pytest.raises(DraftheadsError, match="max_new=0: ask for at least one"):  # it ran a round emitting nothing
+        rt.generate([[5]], 0)
 
 
 @pytest.mark.parametrize("tree", [False, True])
