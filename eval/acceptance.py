@@ -246,6 +246,9 @@ def table(results: dict) -> str:
     for row in rows:
         for j, a in enumerate(row["acceptance"]):
             row[f"acc@{j + 1}"] = a
+    # how many rounds each overall figure rests on: deep positions are tested in few rounds
+    rows.append({"category": "rounds testing it", **{f"acc@{j + 1}": n for j, n in
+                                                     enumerate(results["overall"].get("tested", []))}})
     columns = ["category", "prompts", "tokens", "rounds", "tau", "mean_draft_len"] + [f"acc@{j + 1}" for j in range(k)]
     return markdown_table(rows, columns)
 

@@ -76,11 +76,12 @@ def evaluate(cfg, sources: list[tuple[str, str]], out: Path, target, workers: Wo
                     rows.append({"prompts": suite, "source": label, "k": k, "T": temperature, "tau": o["tau"],
                                  "mean_draft_len": o["mean_draft_len"], "draft_ms": o["draft_ms_per_round"],
                                  "verify_ms": o["verify_ms_per_round"], "json": args.out,
-                                 "acceptance": " ".join("-" if a is None else f"{a:.2f}" for a in o["acceptance"])})
+                                 "acceptance": " ".join("-" if a is None else f"{a:.2f}" for a in o["acceptance"]),
+                                 "tested": " ".join(map(str, o.get("tested", [])))})
     if workers.rank != 0:
         return rows
     md = markdown_table(rows, ["prompts", "source", "k", "T", "tau", "mean_draft_len", "draft_ms", "verify_ms",
-                               "acceptance"])
+                               "acceptance", "tested"])
     pairs = [(b, a) for b in rows for a in rows if b["source"] == "head_before" and a["source"] == "head"
              and (b["prompts"], b["k"], b["T"]) == (a["prompts"], a["k"], a["T"])]
     if pairs:

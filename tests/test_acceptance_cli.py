@@ -64,6 +64,9 @@ def test_cli_writes_json_and_markdown(prompt_file, tmp_path, capsys, monkeypatch
 
     md = out.with_suffix(".md").read_text()
     assert "| category |" in md and "| qa |" in md and "acc@3" in md
+    tested = overall["tested"]  # the last row: how many rounds each overall acceptance figure rests on
+    assert 0 < tested[0] <= overall["rounds"] and md.splitlines()[-1].startswith(
+        "| rounds testing it | - | - | - | - | - | " + " | ".join(map(str, tested)) + " |")
 
     # turn 2 follows the model's own turn-1 answer, in the chat template with the generation prompt
     turn1_answer, turn2_prompt = seen_prompts[1], seen_prompts[2]

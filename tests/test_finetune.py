@@ -44,6 +44,8 @@ def test_a_fine_tune_ends_with_one_before_after_table(tmp_path):
     files = sorted(p.relative_to(tmp_path / "ft" / "eval").as_posix() for p in (tmp_path / "ft" / "eval").rglob("*.json"))
     assert "humaneval/head_before_k3_T0.json" in files and "mt_bench/head_k3_T0.json" in files
     summary = (tmp_path / "ft" / "eval" / "summary.md").read_text()
+    assert "| acceptance | tested |" in summary  # each acceptance figure beside the rounds it rests on
+    assert all(len(r["tested"].split()) == len(r["acceptance"].split()) for r in rows)
     assert "Before / after fine-tuning" in summary and (tmp_path / "ft" / "eval" / "summary_humaneval.png").is_file()
 
 
