@@ -51,6 +51,16 @@ def _cli(*args):
                           cwd=CONF.parent, timeout=120)
 
 
+def test_the_two_stage_preset_keeps_the_defaults_of_the_rl_objective():
+    """train=two_stage set rl_pg_weight 0.1 after the default became 0 (the extra REINFORCE term is not E[R]'s
+    gradient): a preset overrides only what makes it a preset."""
+    from conf.schema import TrainConfig
+
+    rl = {k: v for k, v in _compose(["train=two_stage"]).train.items() if k.startswith("rl_draw") or k == "rl_pg_weight"}
+    assert rl == {"rl_pg_weight": TrainConfig.rl_pg_weight, "rl_draw_score": TrainConfig.rl_draw_score} == \
+        {"rl_pg_weight": 0.0, "rl_draw_score": True}
+
+
 def test_unknown_experiment_is_one_clear_message():
     r = _cli("+experiment=smok")
     assert r.returncode != 0 and "Could not find 'experiment/smok'" in r.stderr and "Traceback" not in r.stderr
