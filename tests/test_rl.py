@@ -298,6 +298,37 @@ def test_rl_keeps_training_a_dspark_confidence_head(tiny_target):
     assert "confidence_loss" not in stats and head.confidence.weight.grad is None
 
 
+def test_blocks_are_drawn_under_the_loss_forwards_mixed_precision(tiny_target, monkeypatch):
+    """With bf16 mixed precision the loss reads q from the autocast forward (accelerate wraps it); the blocks were
+    drawn in fp32 from the bare head, so they were not draws from that q. Now they are drawn under the same autocast
+    (train_rl passes accelerator.autocast)."""
+    import functools
+
+    from train.rl import rl_step_fn
+
+    head = peagle_for_target(tiny_target, k=3, parallel=False)
+    items = [it for it in held_out(tiny_target) if pick_anchors(it, 4, 30, torch.Generator())]
+    autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+
+    def model(*args):  # what accelerator.prepare makes of the head under mixed_precision=bf16
+        with autocast():
+            return head(*args)
+
+    seen = {}
+
+    def noting(name, fn):  # fn, noting whether autocast is on when it runs
+        def call(*args):
+            seen.setdefault(name, torch.is_autocast_enabled("cpu"))
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(head, "draft_logits", noting("draws", head.draft_logits))
+    monkeypatch.setattr(head, "train_forward", noting("loss", head.train_forward))
+    rl_step_fn(head, None, tiny_target, items, rl_train_cfg(rl_temperature=1.0, rl_kl_weight=0.0), 3,
+               tiny_target.device, autocast=autocast)(model, 0, 1.0)
+    assert seen == {"draws": True, "loss": True}
+
+
 def test_rl_validation_gives_every_rank_the_same_rollout_calls(tiny_target, monkeypatch):
     """A chunk whose sequences have no anchor is left out before the chunks are split over ranks: a rank that skipped
     its rollouts would leave the other in a collective forward (DDP buffers, FSDP gathers) alone."""

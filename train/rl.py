@@ -37,6 +37,8 @@ val_tau_chain (train.val_tau_chain).
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,9 +211,11 @@ class Rollout:
 
 
 def rollout(model, core, scorer: LlamaForward, items: list[dict], anchor_lists: list[list[int]], tc, k: int,
-            serve_t: float, g: torch.Generator, device) -> Rollout:
+            serve_t: float, g: torch.Generator, device, autocast=contextlib.nullcontext) -> Rollout:
     """Steps 2-4 of the module docstring for the sequences `items` at their sorted `anchor_lists`, up to the loss: the
-    head's q keeps its graph when grad is enabled (training); the draws (blocks, then the exact rule's u) come from g."""
+    head's q keeps its graph when grad is enabled (training); the draws (blocks, then the exact rule's u) come from g.
+    autocast: the mixed-precision context `model`'s forward runs under (accelerator.autocast), so the blocks are
+    drawn from the q the loss reads (in fp32 they were draws from another distribution than bf16's q)."""
     B, M = len(items), max(len(a) for a in anchor_lists)
     anchors = torch.tensor([a + [a[-1]] * (M - len(a)) for a in anchor_lists], device=device)  # padding repeats
     valid = torch.tensor([[m < len(a) for m in range(M)] for a in anchor_lists], device=device)  # [B, M]
@@ -226,7 +230,7 @@ def rollout(model, core, scorer: LlamaForward, items: list[dict], anchor_lists: 
         return tok
 
     y = torch.zeros(B, M, k, dtype=torch.long)
-    with torch.no_grad(), full_parameters(core):  # the head's inference path runs outside its forward
+    with torch.no_grad(), full_parameters(core), autocast():  # the head's inference path runs outside its forward
         for b, item in enumerate(items):
             cache = DraftCache()  # anchors ascend, so the head's context cache only grows
             for m, a in enumerate(anchor_lists[b]):
@@ -300,7 +304,7 @@ def alpha_sums(r: Rollout, prefix: str) -> dict:
     return {f"{prefix}{d + 1}": (float(kept[d]), float(count[d])) for d in range(r.alpha.shape[1])}
 
 
-def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None):
+def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None, autocast=contextlib.nullcontext):
     """The loop's step function; `core` is the head module itself (the loop passes its wrapped form as `model`).
     `fill` (online runs) adds the target's hidden states to the step's sequences."""
     scorer = compact_forward(target)
@@ -328,7 +332,7 @@ def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None):
             starts = round_starts(model, target, items, k, tc.rl_max_context, device)
             anchor_lists = [pick_anchors(it, tc.rl_anchors, tc.rl_max_context, g, among=s) or uniform
                             for it, s, uniform in zip(items, starts, anchor_lists)]
-        r = rollout(model, core, scorer, items, anchor_lists, tc, k, serve_t, g, device)
+        r = rollout(model, core, scorer, items, anchor_lists, tc, k, serve_t, g, device, autocast)
         N = r.reward.numel()
         loss = -r.expected.mean()
         logq_tok = r.log_q.gather(-1, r.y[..., None]).squeeze(-1)
@@ -356,7 +360,7 @@ def rl_step_fn(core, reference, target, dataset, tc, k: int, device, fill=None):
     return step_fn
 
 
-def rl_validation_fn(head, target, holdout, tc, k: int, device, fill=None):
+def rl_validation_fn(head, target, holdout, tc, k: int, device, fill=None, autocast=contextlib.nullcontext):
     """validate(model=head, shard) -> {"val_expected_accepted", "val_reward", "val_alpha_1"..,
     "val_serve_temperature", "val_blocks"}: the RL objective itself on every held-out sequence (up to rl_anchors blocks
     each, sequences without a usable anchor skipped), pooled over blocks; chunks split over ranks. Anchors and draws
@@ -384,7 +388,7 @@ def rl_validation_fn(head, target, holdout, tc, k: int, device, fill=None):
             picked = [(it, pick_anchors(it, tc.rl_anchors, tc.rl_max_context, g)) for it in items]
             picked = [(it, a) for it, a in picked if a]  # not empty: the chunk is usable
             r = rollout(head if model is None else model, head, scorer, [it for it, _ in picked],
-                        [a for _, a in picked], tc, k, serve_t, g, device)
+                        [a for _, a in picked], tc, k, serve_t, g, device, autocast)
             if real:
                 n = r.reward.numel()
                 tally.add("val_blocks", n)
@@ -458,12 +462,13 @@ def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, s
     validate = None
     if holdout is not None:
         tau_est = soft_label_validation(target, tc, k, head.family_name, holdout, fill)
-        on_policy = rl_validation_fn(head, target, holdout, tc, k, target.device, fill)
+        on_policy = rl_validation_fn(head, target, holdout, tc, k, target.device, fill, accelerator.autocast)
 
         def validate(model, shard: Shard) -> dict:
             return {**tau_est(model, shard), **on_policy(model, shard)}
 
     stage = Stage("rl", tc.rl_steps, tc.rl_lr, min(tc.warmup_steps, tc.rl_steps // 5),
-                  rl_step_fn(head, reference, target, dataset, tc, k, target.device, fill), out / "checkpoints_rl", validate,
+                  rl_step_fn(head, reference, target, dataset, tc, k, target.device, fill, accelerator.autocast),
+                  out / "checkpoints_rl", validate,
                   keep_best=False, steps_option="train.rl_steps", settings=settings or {})
     return run_stage(accelerator, head, stage, tc, log, stop_at_step)
