@@ -137,7 +137,7 @@ class Attention(nn.Module):
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         rep = self.num_heads // self.num_kv_heads
         out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, N, -1)), new_kv
+        return self.o_proj(out.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim)), new_kv
 
 
 class MLP(nn.Module):
@@ -332,10 +332,8 @@ class PEagleDrafter(TrainableHead):
         else:  # training-time test: depth d reads depth d-1's output; tokens are the true ones (teacher forcing)
             prenorm = torch.zeros_like(hidden)
             past = None
-            for d in range(1, self.k + 1):
-                cols = plan.depth_columns(d)  # [n_d] columns of the plan holding depth d
-                if cols.numel() == 0:
-                    break
+            for d in range(1, self.k + 1):  # every depth, even one the plan lacks: the same module calls whatever
+                cols = plan.depth_columns(d)  # the data ([n_d] columns of depth d), as sharded parameters need
                 qa, qd = plan.anchor[:, cols], plan.depth[:, cols]
                 fed = batch["slot_tokens"][:, cols] if "slot_tokens" in batch else \
                     ids.gather(1, (qa.clamp(min=0) + d).clamp(max=T - 1))

@@ -62,6 +62,17 @@ def test_training_logits_equal_inference_logits(tiny_target):
                 torch.testing.assert_close(head.logits_for(out.hidden, out.depth)[row[0, 0]], inf[d - 1], atol=1e-5, rtol=1e-4)
 
 
+def test_a_chain_head_trains_on_a_sequence_shorter_than_its_block(tiny_target):
+    """A micro-batch shorter than K + 2 tokens ends the plan before depth K: the chain path asked for the missing
+    depth's columns (IndexError); it now runs every depth, the missing ones empty, with the parallel path's rows."""
+    batch = features(tiny_target, T=5, B=1)
+    plan = cod_plan(batch["loss_mask"], batch["lengths"], k=5, decay=1.0)
+    assert len(plan.blocks) - 1 < 5 and plan.depth_columns(5).numel() == 0
+    rows = [head.train_forward(batch, plan).hidden.shape[0]
+            for head in (peagle_for_target(tiny_target, k=5, parallel=p) for p in (True, False))]
+    assert rows[0] == rows[1] > 0
+
+
 def test_cache_reuse_matches_fresh(tiny_target):
     torch.manual_seed(0)
     batch = features(tiny_target, T=16, B=1)

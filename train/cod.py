@@ -28,10 +28,12 @@ class CodPlan:
     blocks: list[int]  # column where each depth's block starts, plus the end
 
     def depth_columns(self, d: int) -> Tensor:
-        return torch.arange(self.blocks[d - 1], self.blocks[d], device=self.anchor.device)
+        """Columns of depth d: none past the plan's deepest depth (short sequences end the plan early)."""
+        end = self.blocks[min(d, len(self.blocks) - 1)]
+        return torch.arange(self.blocks[min(d - 1, len(self.blocks) - 1)], end, device=self.anchor.device)
 
     def columns_up_to(self, d: int) -> Tensor:
-        return torch.arange(0, self.blocks[d], device=self.anchor.device)
+        return torch.arange(0, self.blocks[min(d, len(self.blocks) - 1)], device=self.anchor.device)
 
 
 def plan_to(plan: CodPlan, device) -> CodPlan:
