@@ -90,8 +90,47 @@ def sharded_target(model_dir: str, out: str, strategy: str) -> None:
         "light_lm_head_equal": torch.equal(light.model.lm_head.weight, whole.model.lm_head.weight)}))
 
 
+def uneven_chunks(out: str, parallel: str) -> None:
+    """`chunks OUT parallel|chain`: ZeRO-3 with a head that owns its LM head (a draft vocabulary, as peagle_70b's), on
+    sequences of very different lengths (one shorter than K + 2 tokens), so the ranks' loss and validation chunks,
+    and a chain head's depths, differ in number; writes each rank's row counts."""
+    from train import chain
+
+    torch.set_num_threads(1)
+    trainer.LOSS_CHUNK_ROWS = chain.LOSS_CHUNK_ROWS = 16  # stands in for 1024 rows at 2048 tokens
+    cfg = OmegaConf.structured(Config)
+    cfg.name, cfg.output_dir, cfg.target.name = "chunks", out, "tiny-random-llama"
+    cfg.draft.k, cfg.draft.num_layers, cfg.draft.draft_vocab_size = 3, 1, 128
+    cfg.draft.parallel = parallel == "parallel"
+    cfg.accelerate.strategy, cfg.accelerate.timeout_minutes = "zero3", 1
+    for key, v in dict(steps=2, batch_size=1, grad_accum=1, lr=1e-2, warmup_steps=1, checkpoint_every=100,
+                       log_every=1, holdout_sequences=2, eval_every=2).items():
+        cfg.train[key] = v
+    accelerator = make_accelerator(cfg.accelerate, cfg.train, "cpu")
+    model, tok = tiny_random_llama(num_layers=2, seed=1)
+    target = Target(model, tok, "tiny-random-llama")
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for T in (4, 57, 8, 50, 15, 43, 22, 36):  # micro-batch m of rank r reads sequence 2m + r (or its shuffle)
+        ids = torch.randint(0, 250, (T,), generator=g)
+        o = target(ids[None])
+        items.append({"input_ids": ids, "loss_mask": torch.arange(T) >= 2, "aux_hidden": o.aux_hidden[0].float(),
+                      "final_hidden": o.final_hidden[0].float()})
+    rows, real = [], trainer._objective
+
+    def counting(core, target_, batch, out_, *args, **kw):
+        rows.append(out_.hidden.shape[0])
+        return real(core, target_, batch, out_, *args, **kw)
+
+    trainer._objective = counting
+    trainer.train_draft(cfg, target, items, out, accelerator=accelerator)
+    Path(out, f"rows_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(rows))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "target":
         sharded_target(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif sys.argv[1] == "chunks":
+        uneven_chunks(sys.argv[2], sys.argv[3])
     else:
         main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:] == ["online"])

@@ -71,6 +71,21 @@ def test_two_ranks_read_the_single_process_global_batch_and_follow_its_curve(one
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("head", ["parallel", "chain"])
+def test_zero3_ranks_with_unequal_rows_make_the_same_collective_calls(tmp_path, head):
+    """ZeRO-3 gathers a module's parameters at each call: a head with its own LM head (a draft vocabulary) ran as many
+    loss chunks as the rank's rows needed, so ranks with other sequence lengths waited in different gathers (gloo: a
+    size mismatch; NCCL: a hang until the timeout). A chain head's depths, and a sequence shorter than K + 2 tokens
+    (an IndexError), likewise. Every rank now runs the most chunks any needs, and every depth."""
+    pytest.importorskip("deepspeed")
+    r = subprocess.run([*TORCHRUN, "tests/multiprocess_worker.py", "chunks", str(tmp_path), head], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads((tmp_path / f"rows_rank{k}.json").read_text()) for k in (0, 1)]
+    assert len(rows[0]) == len(rows[1]) >= 2 and rows[0] != rows[1]  # training and validation: the ranks' chunk counts differed
+    assert (tmp_path / "head" / "model.safetensors").is_file()
+
+
 def _distill(out: Path, *extra, env=None):
     args = [sys.executable, "-m", "train.distill", "+experiment=smoke", f"output_dir={out}", "accelerate=ddp",
             "accelerate.num_processes=2", "runtime.threads=2", "data.max_records=12", "train.steps=10",

@@ -17,6 +17,7 @@ from torch import Tensor
 from inference.sampling import greedy_tokens
 from models.families import family
 from train.cod import CodPlan, anchor_plan, cod_plan, plan_to
+from train.distributed import calls_everywhere
 from train.trainer import LOSS_CHUNK_ROWS, target_greedy
 
 
@@ -37,8 +38,9 @@ def agreement(model, target, batch: dict, k: int) -> Tensor:
 
     def hits(head, rows):
         agree = torch.zeros(rows.hidden.shape[0], dtype=torch.bool, device=device)
-        for s in range(0, rows.hidden.shape[0], LOSS_CHUNK_ROWS):
-            chunk = slice(s, s + LOSS_CHUNK_ROWS)
+        chunks = calls_everywhere(-(-rows.hidden.shape[0] // LOSS_CHUNK_ROWS), head, device)  # ZeRO-3: on all ranks
+        for c in range(chunks):
+            chunk = slice(c * LOSS_CHUNK_ROWS, (c + 1) * LOSS_CHUNK_ROWS)
             best = target_greedy(target, head, batch, rows, chunk)  # no target logits when the features carry it
             agree[chunk] = greedy_tokens(head.logits_for(rows.hidden[chunk], rows.depth[chunk])) == best
         return rows, agree

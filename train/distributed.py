@@ -203,6 +203,20 @@ def full_parameters(model):
     yield
 
 
+def calls_everywhere(n: int, model, device) -> int:
+    """How often this rank runs a loop whose body calls `model`'s submodules (the loss's chunks, say): n, or under
+    DeepSpeed ZeRO-3, where every submodule call gathers that module's parameters in a collective, the most any rank
+    needs, so a rank with fewer rows runs empty calls instead of leaving the others waiting in a gather."""
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return n
+    import torch
+    import torch.distributed as dist
+
+    most = torch.tensor([n], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most)
+
+
 STALE_LOCK_MINUTES = 10  # a JIT build of DeepSpeed's ops takes about a minute on 2 cores
 
 

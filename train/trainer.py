@@ -31,6 +31,7 @@ from models.errors import DraftheadsError
 from models.families import family
 from models.files import write_atomic
 from train.cod import anchor_plan, cod_plan, plan_to
+from train.distributed import calls_everywhere
 from train.loop import (RunLog, Shard, Stage, Tally, check_settings, check_steps, newest_checkpoint,
                         run_stage)
 from train.losses import (KEEP_LOGITS_BYTES, LOSS_CHUNK_ROWS, Softmax, distill_loss, position_weights, token_ce,
@@ -328,8 +329,8 @@ def _objective(core, target, batch: dict, out, tc, temperature: float, gamma: fl
     agree = torch.zeros(n, device=out.hidden.device)
     # rows in order of their label position: the rows that share one fall in the same chunk (see draft_labels)
     order = torch.argsort(label_position(batch, out.batch_index, out.anchor + out.depth), stable=True)
-    for s in range(0, n, LOSS_CHUNK_ROWS):
-        chunk = order[s: s + LOSS_CHUNK_ROWS]
+    for c in range(calls_everywhere(-(-n // LOSS_CHUNK_ROWS), core, out.hidden.device)):  # ZeRO-3: alike on all ranks
+        chunk = order[c * LOSS_CHUNK_ROWS: (c + 1) * LOSS_CHUNK_ROWS]
         tgt, where, labels, best = draft_labels(target, core, batch, out, chunk)
         ref = _regression_target(core, batch, out, chunk, tc)
         part, hit = _chunk_loss(core, out.hidden[chunk], out.depth[chunk], Softmax(tgt, temperature).take(where),
@@ -416,8 +417,9 @@ def _regression_target(core, batch: dict, out, chunk: slice | Tensor, tc) -> Ten
 
 def _chunk_loss(core, hidden, depth, p: Softmax, labels, best, w, tc, temperature, ref=None):
     """Weighted loss sum of one chunk; p: the target's softmax per row, at `temperature`, computed outside the
-    checkpointed part. The draft's logits are kept for backward when a chunk's are at most KEEP_LOGITS_BYTES (a draft
-    vocabulary), else recomputed in backward (checkpoint) so only one chunk is alive.
+    checkpointed part. The draft's logits are kept for backward when a full chunk's are at most KEEP_LOGITS_BYTES (a
+    draft vocabulary), else recomputed in backward (checkpoint) so only one chunk is alive: decided by the vocabulary,
+    not the chunk's rows, so every chunk (and every rank, under ZeRO-3) calls the head's modules alike.
     ref: the target's LM-head input per row for hidden-state regression (EAGLE's SmoothL1 feature loss), or None."""
 
     def f(h):
@@ -436,7 +438,7 @@ def _chunk_loss(core, hidden, depth, p: Softmax, labels, best, w, tc, temperatur
             per = per + tc.confidence_weight * F.binary_cross_entropy_with_logits(c_logit, survive, reduction="none")
         return (per * w).sum(), (greedy_tokens(logits.detach()) == best).float()
 
-    if hidden.requires_grad and p.log_p.numel() * 4 > KEEP_LOGITS_BYTES:
+    if hidden.requires_grad and LOSS_CHUNK_ROWS * p.log_p.shape[-1] * 4 > KEEP_LOGITS_BYTES:
         part, hit = torch.utils.checkpoint.checkpoint(f, hidden, use_reentrant=False)
     else:
         part, hit = f(hidden)
