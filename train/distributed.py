@@ -203,6 +203,17 @@ def full_parameters(model):
     yield
 
 
+def as_main_sees_it(accelerator, value):
+    """`value` as the main process computed it, on every rank: branches taken on what shared files hold (the newest
+    checkpoint, kept best weights, a finished head) are decided once, so ranks on machines whose network filesystems
+    cache differently cannot take different branches before a collective."""
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value], from_process=0)[0]
+
+
 def calls_everywhere(n: int, model, device) -> int:
     """How often this rank runs a loop whose body calls `model`'s submodules (the loss's chunks, say): n, or under
     DeepSpeed ZeRO-3, where every submodule call gathers that module's parameters in a collective, the most any rank
