@@ -20,7 +20,7 @@ parameters, w = 2 bytes under bf16 mixed precision (else 4), t = the target's by
                  I = MLP width, a = activation bytes, norms in fp32), the first layer's input 2H wide, the fc output
                  R H a and the attention mask b (T c)^2 bool (Medusa: 3 H a per row and ResBlock instead); one loss
                  chunk 6 C V_draft 4 (C = min(R, 1024) rows: draft and target logits and their softmaxes, recomputed
-                 in backward) or, when C V_draft 4 <= 64 MiB, 4 R V_draft 4 (every chunk's kept); online adds
+                 in backward) or, when 1024 V_draft 4 <= 64 MiB, 4 R V_draft 4 (every chunk's kept); online adds
                  the target's own forward, b T (2 I_t + 4 H) t (one layer alive, no grad).
                  Checked against a measured CPU training step on a tiny target (tests/test_plan.py): the measured peak
                  is 0.99-1.22x the formula for P-EAGLE, DSpark and Medusa; the EAGLE-3 chain keeps per-depth key/value
@@ -159,7 +159,7 @@ def memory(s: Sizes, cfg, strategy: str, n_gpus: int, online: bool, device: str 
         acts += R * (per_row_layer * s.head_layers + a * H)  # + the first layer's 2H-wide input
         acts += R * H * a + b * (T * c) ** 2  # fc output per row, boolean attention mask
     chunk = min(R, LOSS_CHUNK_ROWS)
-    kept = chunk * s.vocab_draft * 4 <= KEEP_LOGITS_BYTES  # every chunk's softmaxes saved for backward
+    kept = LOSS_CHUNK_ROWS * s.vocab_draft * 4 <= KEEP_LOGITS_BYTES  # every chunk's softmaxes saved for backward
     acts += 4 * R * s.vocab_draft * 4 if kept else 6 * chunk * s.vocab_draft * 4
     if online:
         acts += b * T * (2 * s.target_mlp + 4 * H) * t
