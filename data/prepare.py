@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from data.chat import tokenize_chat, tokenize_text
 from data.features import MANIFEST, extract_features, merge_parts
 from data.readers import DOCUMENT_SOURCES, PROMPT_SOURCES, ReadStats, read_conversations, read_text_dir, text_files
@@ -23,7 +25,7 @@ from data.regenerate import merge_parts as merge_regenerated
 from data.regenerate import record_files, regenerate, regeneration_totals
 from models.errors import DraftheadsError
 from models.files import write_atomic
-from models.target import Target
+from models.target import Target, _parse_dtype
 
 FEATURE_MODES = ("offline", "online", "none")
 REGEN_SHAPING = ("source", "path", "max_records", "skip_records", "max_length", "regenerate", "regen_max_new",
@@ -64,8 +66,8 @@ def source_stamp(path: str | None) -> dict:
 def data_settings(d, fingerprint: dict, seed: int, weights: dict | None = None) -> dict:
     """What shapes the data directory's content: the data.* fields that change records or tokens, what the files at
     data.path hold (`source_stamp`), the target (name, tokenizer, feature layers, `weights_identity`) and the seed;
-    shard sizes do not. `regen_sha256` keys the regenerated text alone (the feature layers and dtype do not shape
-    it), so heads reading other layers share one regeneration. The chat template's hash is recorded beside them and
+    shard sizes do not. `regen_sha256` keys the regenerated text alone (the feature layers do not shape it, nor
+    target.dtype unless `rounded_weights`), so heads reading other layers share one regeneration. The chat template's hash is recorded beside them and
     checked on reuse (ready_report, the regeneration stamp) rather than keyed, so caches made before it still open."""
     keep = {k: getattr(d, k) for k in SHAPING} | source_stamp(d.path)
     keep["target"] = {k: fingerprint[k] for k in ("name", "tokenizer_hash", "layer_ids")} | \
@@ -87,7 +89,10 @@ def rounded_weights(settings: dict) -> str | None:
     """target.dtype when the runtime regenerates in another data.regen_dtype from weights rounded to it (a float32
     copy of bfloat16 weights answers otherwise than the float32 weights): then it shapes the regenerated text."""
     dtype = settings["target"].get("weights", {}).get("dtype")
-    return dtype if settings["regen_backend"] == "runtime" and dtype not in (None, settings["regen_dtype"]) else None
+    if dtype is None or settings["regen_backend"] != "runtime":
+        return None
+    kind = _parse_dtype(dtype)  # spellings alike: bf16 is bfloat16
+    return dtype if kind != torch.float32 and kind != _parse_dtype(settings["regen_dtype"]) else None
 
 
 def _digest(settings: dict) -> str:

@@ -174,9 +174,7 @@ def regenerate(
         beside.update(_read_done(part_path(out_path, r, world), truncate=False))
     done = {**elsewhere, **beside, **mine_done}
     batches, skipped_long = plan_batches(target.tokenizer, conversations, turns, batch_size, max_prompt_tokens)
-    decoder = ServerChat(server) if backend == "openai" else None
-    if decoder is not None:
-        decoder.check_made_by_this_model(done, out_path)
+    decoder = None  # made for the first batch left to answer: finished answers read without a server
     new_tokens, t0 = 0, time.perf_counter()
     progress = _read_progress(mine) if mine_done else _no_progress()  # counts of a removed part file are void
     progress["runs"] += 1
@@ -186,6 +184,9 @@ def regenerate(
         for b, batch in enumerate(bar):
             if b % world != rank or all(i in done for _, i, _, _ in batch):
                 continue
+            if decoder is None and backend == "openai":
+                decoder = ServerChat(server)
+                decoder.check_made_by_this_model(done, out_path)
             decoder = decoder or RuntimeChat(target, dtype)
             t_batch = time.perf_counter()
             records, n_new = _generate_batch(decoder, batch, turns, max_new, temperature, seed * 1_000_003 + b)

@@ -75,6 +75,10 @@ def test_answers_of_another_served_model_are_refused_not_reused(tiny_target, tmp
     out = tmp_path / "r.jsonl"
     regenerate(tiny_target, CONVS[:4], out, max_new=9, turns=1, batch_size=4, backend="openai", server=url)
     assert {json.loads(line)["served_model"] for line in out.read_text().splitlines()} == {"fake-model"}
+    # finished answers read without a server (prepared with vLLM up, trained after stopping it)
+    again = regenerate(tiny_target, CONVS[:4], out, max_new=9, turns=1, batch_size=4, backend="openai",
+                       server="http://127.0.0.1:9/v1")
+    assert again["new_tokens"] == 0
     lines = out.read_text().replace('"fake-model"', '"another-model"')
     out.write_text(lines)
     with pytest.raises(DraftheadsError, match=r"answers of the served model 'another-model'.*serves 'fake-model'"):
