@@ -297,3 +297,33 @@ def test_a_killed_writers_temporary_is_removed_by_the_next_write_and_a_live_ones
         os.fsync = real_fsync
     assert len(synced) == 2  # the file before its rename, the directory after it
     assert not dead.exists() and live.exists() and other.exists() and (tmp_path / "x.json").read_text() == "{}"
+
+
+def test_decisions_read_from_shared_files_are_the_main_processes_on_every_rank(monkeypatch):
+    """The newest checkpoint, kept best weights and a finished head are read by the main process alone and broadcast
+    (a rank whose network filesystem lagged took another branch before a collective); an error there (e.g. train.steps
+    past a head without its checkpoint) stops every rank with the main process's message, not the main one alone."""
+    from types import SimpleNamespace
+
+    import accelerate.utils
+
+    from train.distributed import as_main_sees_it
+
+    sent = []
+
+    def broadcast(objects, from_process=0):  # two ranks: what the main process put in is what every rank gets
+        if objects[0] is not None:
+            sent.append(objects[0])
+        return [sent[-1]]
+
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", broadcast)
+    main, other = (SimpleNamespace(num_processes=2, is_main_process=m) for m in (True, False))
+    assert as_main_sees_it(main, lambda: (3, Path("step_3"))) == (3, Path("step_3"))
+    assert as_main_sees_it(other, lambda: pytest.fail("read on a rank that is not the main one")) == (3, Path("step_3"))
+
+    def stale():
+        raise DraftheadsError("its step-300 checkpoint is not in 'ckpt'")
+
+    for rank in (main, other):
+        with pytest.raises(DraftheadsError, match="step-300 checkpoint is not in 'ckpt'"):
+            as_main_sees_it(rank, stale if rank is main else lambda: pytest.fail("read off the main process"))

@@ -203,15 +203,24 @@ def full_parameters(model):
     yield
 
 
-def as_main_sees_it(accelerator, value):
-    """`value` as the main process computed it, on every rank: branches taken on what shared files hold (the newest
-    checkpoint, kept best weights, a finished head) are decided once, so ranks on machines whose network filesystems
-    cache differently cannot take different branches before a collective."""
+def as_main_sees_it(accelerator, compute):
+    """compute() on the main process, its result (or its DraftheadsError) on every rank: branches taken on what shared
+    files hold (the newest checkpoint, kept best weights, a finished head) are decided once, so ranks on machines whose
+    network filesystems cache differently cannot take different branches (or stop alone) before a collective."""
     if accelerator.num_processes == 1:
-        return value
+        return compute()
     from accelerate.utils import broadcast_object_list
 
-    return broadcast_object_list([value], from_process=0)[0]
+    outcome = None
+    if accelerator.is_main_process:
+        try:
+            outcome = (True, compute())
+        except DraftheadsError as e:
+            outcome = (False, str(e))
+    ok, value = broadcast_object_list([outcome], from_process=0)[0]
+    if not ok:
+        raise DraftheadsError(value)
+    return value
 
 
 def calls_everywhere(n: int, model, device) -> int:

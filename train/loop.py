@@ -234,7 +234,7 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
     check_or_record_settings(stage.ckpt_root, stage.settings, main, tc.resume, accelerator.wait_for_everyone)
     accelerator.wait_for_everyone()
 
-    done, last = as_main_sees_it(accelerator, newest_checkpoint(stage.ckpt_root))
+    done, last = as_main_sees_it(accelerator, lambda: newest_checkpoint(stage.ckpt_root))
     check_steps(done, stage.steps, last, stage.steps_option)
     step = 0
     if last is not None:
@@ -257,7 +257,7 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
         log.resume(stage.name, step)
     else:
         log.restart(stage.name)
-    best = as_main_sees_it(accelerator, _read_best(stage.ckpt_root) if stage.keep_best else None)
+    best = as_main_sees_it(accelerator, lambda: _read_best(stage.ckpt_root) if stage.keep_best else None)
     if best is not None and best.get("by", "val_loss") != stage.keep_best_by:
         raise DraftheadsError(f"the best weights kept in '{stage.ckpt_root / 'best'}' were chosen by "
                               f"{best.get('by', 'val_loss')}, this run would choose by {stage.keep_best_by} "
@@ -279,7 +279,7 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
         bar.close()  # also on an error: the bar's last line must not print after the error message
     if step < stage.steps:
         return False, None, logged
-    best = as_main_sees_it(accelerator, _read_best(stage.ckpt_root) if stage.keep_best else None)
+    best = as_main_sees_it(accelerator, lambda: _read_best(stage.ckpt_root) if stage.keep_best else None)
     if best is not None:
         if main:
             key = best.get("by", "val_loss")

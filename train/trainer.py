@@ -489,11 +489,11 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
         stage_dir = out / "head_soft_label"
         settings = stage_settings(cfg, "soft_label", data_id, dc.init_from, accelerator.num_processes) | replay | \
             ({"start_weights": _head_identity(dc.init_from)} if dc.init_from else {})
-        finished = as_main_sees_it(accelerator, (stage_dir / "config.json").is_file() and tc.resume)
+        finished = as_main_sees_it(accelerator, lambda: (stage_dir / "config.json").is_file() and tc.resume)
         if finished and (stage_dir / "settings.json").is_file():
             check_settings(stage_dir / "settings.json", settings, f"the stage-1 head in '{stage_dir}'",
                            ignore=("processes", "checkpoint_layout"))  # used alike; training on checks checkpoints
-        longer = as_main_sees_it(accelerator, finished and _trains_on(stage_dir, out / "checkpoints", tc.steps))
+        longer = as_main_sees_it(accelerator, lambda: finished and _trains_on(stage_dir, out / "checkpoints", tc.steps))
         if finished and not longer:
             if main:
                 print(f"[draftheads] soft_label: already done ({stage_dir})")
