@@ -66,10 +66,9 @@ class MedusaHeads(TrainableHead):
 
     def _per_depth(self, h: Tensor, depth: Tensor, fn, width: int) -> Tensor:
         out = h.new_zeros(h.shape[0], width)
-        for d in range(1, self.k + 1):
+        for d in range(1, self.k + 1):  # every depth, rows or none: the same module calls on every rank (ZeRO-3)
             rows = (depth == d).nonzero().squeeze(1)
-            if rows.numel():
-                out = out.index_copy(0, rows, fn(d, h[rows]))
+            out = out.index_copy(0, rows, fn(d, h[rows]))
         return out
 
     def logits_for(self, hidden: Tensor, depth: Tensor) -> Tensor:

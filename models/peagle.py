@@ -332,8 +332,9 @@ class PEagleDrafter(TrainableHead):
         else:  # training-time test: depth d reads depth d-1's output; tokens are the true ones (teacher forcing)
             prenorm = torch.zeros_like(hidden)
             past = None
-            for d in range(1, self.k + 1):  # every depth, even one the plan lacks: the same module calls whatever
-                cols = plan.depth_columns(d)  # the data ([n_d] columns of depth d), as sharded parameters need
+            # every depth, even one a short plan lacks (no columns): the same module calls whatever the data (ZeRO-3)
+            for d in range(1, self.k + 1):
+                cols = plan.depth_columns(d)  # [n_d] columns of the plan holding depth d
                 qa, qd = plan.anchor[:, cols], plan.depth[:, cols]
                 fed = batch["slot_tokens"][:, cols] if "slot_tokens" in batch else \
                     ids.gather(1, (qa.clamp(min=0) + d).clamp(max=T - 1))

@@ -91,17 +91,20 @@ def sharded_target(model_dir: str, out: str, strategy: str) -> None:
 
 
 def uneven_chunks(out: str, parallel: str) -> None:
-    """`chunks OUT parallel|chain`: ZeRO-3 with a head that owns its LM head (a draft vocabulary, as peagle_70b's), on
+    """`chunks OUT parallel|chain|medusa`: ZeRO-3 with a head that owns its LM head (a draft vocabulary, as peagle_70b's), on
     sequences of very different lengths (one shorter than K + 2 tokens), so the ranks' loss and validation chunks,
     and a chain head's depths, differ in number; writes each rank's row counts."""
     from train import chain
 
     torch.set_num_threads(1)
     trainer.LOSS_CHUNK_ROWS = chain.LOSS_CHUNK_ROWS = 16  # stands in for 1024 rows at 2048 tokens
+    trainer.KEEP_LOGITS_BYTES = 8 * 128 * 4  # a full chunk's logits are recomputed in backward, a short one's were kept
     cfg = OmegaConf.structured(Config)
     cfg.name, cfg.output_dir, cfg.target.name = "chunks", out, "tiny-random-llama"
     cfg.draft.k, cfg.draft.num_layers, cfg.draft.draft_vocab_size = 3, 1, 128
-    cfg.draft.parallel = parallel == "parallel"
+    cfg.draft.parallel = parallel != "chain"
+    if parallel == "medusa":
+        cfg.draft.family = "medusa"
     cfg.accelerate.strategy, cfg.accelerate.timeout_minutes = "zero3", 1
     for key, v in dict(steps=2, batch_size=1, grad_accum=1, lr=1e-2, warmup_steps=1, checkpoint_every=100,
                        log_every=1, holdout_sequences=2, eval_every=2).items():

@@ -71,12 +71,13 @@ def test_two_ranks_read_the_single_process_global_batch_and_follow_its_curve(one
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("head", ["parallel", "chain"])
+@pytest.mark.parametrize("head", ["parallel", "chain", "medusa"])
 def test_zero3_ranks_with_unequal_rows_make_the_same_collective_calls(tmp_path, head):
     """ZeRO-3 gathers a module's parameters at each call: a head with its own LM head (a draft vocabulary) ran as many
     loss chunks as the rank's rows needed, so ranks with other sequence lengths waited in different gathers (gloo: a
     size mismatch; NCCL: a hang until the timeout). A chain head's depths, and a sequence shorter than K + 2 tokens
-    (an IndexError), likewise. Every rank now runs the most chunks any needs, and every depth."""
+    (an IndexError), likewise, and Medusa's per-depth heads. Every rank now runs the most chunks any needs, and every
+    depth; full and short chunks make the same recompute choice."""
     pytest.importorskip("deepspeed")
     r = subprocess.run([*TORCHRUN, "tests/multiprocess_worker.py", "chunks", str(tmp_path), head], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
