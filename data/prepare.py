@@ -67,8 +67,9 @@ def data_settings(d, fingerprint: dict, seed: int, weights: dict | None = None) 
     """What shapes the data directory's content: the data.* fields that change records or tokens, what the files at
     data.path hold (`source_stamp`), the target (name, tokenizer, feature layers, `weights_identity`) and the seed;
     shard sizes do not. `regen_sha256` keys the regenerated text alone (the feature layers do not shape it, nor
-    target.dtype unless `rounded_weights`), so heads reading other layers share one regeneration. The chat template's hash is recorded beside them and
-    checked on reuse (ready_report, the regeneration stamp) rather than keyed, so caches made before it still open."""
+    target.dtype unless `rounded_weights`), so heads reading other layers share one regeneration. The chat
+    template's hash is recorded beside them and checked on reuse (ready_report, the regeneration stamp) rather than
+    keyed, so caches made before it still open."""
     keep = {k: getattr(d, k) for k in SHAPING} | source_stamp(d.path)
     keep["target"] = {k: fingerprint[k] for k in ("name", "tokenizer_hash", "layer_ids")} | \
         ({"weights": weights} if weights else {})
