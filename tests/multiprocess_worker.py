@@ -91,9 +91,9 @@ def sharded_target(model_dir: str, out: str, strategy: str) -> None:
 
 
 def uneven_chunks(out: str, parallel: str) -> None:
-    """`chunks OUT parallel|chain|medusa`: ZeRO-3 with a head that owns its LM head (a draft vocabulary, as peagle_70b's), on
-    sequences of very different lengths (one shorter than K + 2 tokens), so the ranks' loss and validation chunks,
-    and a chain head's depths, differ in number; writes each rank's row counts."""
+    """`chunks OUT parallel|chain|medusa`: ZeRO-3 with a head that owns its LM head (a draft vocabulary, as
+    peagle_70b's), on sequences of very different lengths (one shorter than K + 2 tokens), so the ranks' loss and
+    validation chunks, and a chain head's depths, differ in number; writes each rank's row counts."""
     from train import chain
 
     torch.set_num_threads(1)

@@ -56,7 +56,8 @@ def test_the_two_stage_preset_keeps_the_defaults_of_the_rl_objective():
     gradient): a preset overrides only what makes it a preset."""
     from conf.schema import TrainConfig
 
-    rl = {k: v for k, v in _compose(["train=two_stage"]).train.items() if k.startswith("rl_draw") or k == "rl_pg_weight"}
+    train = _compose(["train=two_stage"]).train
+    rl = {k: train[k] for k in ("rl_pg_weight", "rl_draw_score")}
     assert rl == {"rl_pg_weight": TrainConfig.rl_pg_weight, "rl_draw_score": TrainConfig.rl_draw_score} == \
         {"rl_pg_weight": 0.0, "rl_draw_score": True}
 

@@ -83,7 +83,7 @@ def test_zero3_ranks_with_unequal_rows_make_the_same_collective_calls(tmp_path, 
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads((tmp_path / f"rows_rank{k}.json").read_text()) for k in (0, 1)]
-    assert len(rows[0]) == len(rows[1]) >= 2 and rows[0] != rows[1]  # training and validation: the ranks' chunk counts differed
+    assert len(rows[0]) == len(rows[1]) >= 2 and rows[0] != rows[1]  # training and validation: unequal rows
     assert (tmp_path / "head" / "model.safetensors").is_file()
 
 
