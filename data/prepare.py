@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from data.chat import tokenize_chat, tokenize_text
 from data.features import MANIFEST, extract_features, merge_parts
 from data.readers import DOCUMENT_SOURCES, PROMPT_SOURCES, ReadStats, read_conversations, read_text_dir, text_files
@@ -78,8 +76,8 @@ def data_settings(d, fingerprint: dict, seed: int, weights: dict | None = None) 
     regen_target = {k: fingerprint[k] for k in ("name", "tokenizer_hash")}
     if weights and "path" in weights:
         regen_target["path"] = weights["path"]
-    if rounded_weights(keep):
-        regen_target["dtype"] = rounded_weights(keep)
+    if rounded := rounded_weights(keep):
+        regen_target["dtype"] = rounded
     regen = {k: keep[k] for k in REGEN_SHAPING + ("seed", "path_files") if k in keep}
     keep["regen_sha256"] = _digest({**regen, "target": regen_target})
     keep["chat_template"] = fingerprint.get("chat_template_hash", "")  # checked on reuse, not keyed: older keys hold
@@ -92,8 +90,8 @@ def rounded_weights(settings: dict) -> str | None:
     dtype = settings["target"].get("weights", {}).get("dtype")
     if dtype is None or settings["regen_backend"] != "runtime":
         return None
-    kind = _parse_dtype(dtype)  # spellings alike: bf16 is bfloat16
-    return dtype if kind != torch.float32 and kind != _parse_dtype(settings["regen_dtype"]) else None
+    decoded = (_parse_dtype("float32"), _parse_dtype(settings["regen_dtype"]))  # spellings alike: bf16 is bfloat16
+    return dtype if _parse_dtype(dtype) not in decoded else None
 
 
 def _digest(settings: dict) -> str:
@@ -198,8 +196,8 @@ def check_regeneration_settings(regenerated: Path, settings: dict, main: bool) -
          "target's chat template": settings["chat_template"]}
     if "path_files" in settings:
         now["data.path's files"] = settings["path_files"]
-    if rounded_weights(settings):
-        now["target.dtype"] = rounded_weights(settings)
+    if rounded := rounded_weights(settings):
+        now["target.dtype"] = rounded
     try:
         before = json.loads(stamp.read_text())
         before.setdefault("data.path's files", now.get("data.path's files"))  # stamped before files were

@@ -38,7 +38,6 @@ val_tau_chain (train.val_tau_chain).
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -489,11 +489,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
         stage_dir = out / "head_soft_label"
         settings = stage_settings(cfg, "soft_label", data_id, dc.init_from, accelerator.num_processes) | replay | \
             ({"start_weights": _head_identity(dc.init_from)} if dc.init_from else {})
-        finished = as_main_sees_it(accelerator, lambda: (stage_dir / "config.json").is_file() and tc.resume)
-        if finished and (stage_dir / "settings.json").is_file():
-            check_settings(stage_dir / "settings.json", settings, f"the stage-1 head in '{stage_dir}'",
-                           ignore=("processes", "checkpoint_layout"))  # used alike; training on checks checkpoints
-        longer = as_main_sees_it(accelerator, lambda: finished and _trains_on(stage_dir, out / "checkpoints", tc.steps))
+        finished, longer = as_main_sees_it(accelerator, lambda: _stage_one_done(stage_dir, out, settings, tc))
         if finished and not longer:
             if main:
                 print(f"[draftheads] soft_label: already done ({stage_dir})")
@@ -614,6 +610,16 @@ def _head_identity(head_dir) -> str:
         return str(head_dir)
     whole = digests[0] if len(digests) == 1 else hashlib.sha256("".join(digests).encode()).hexdigest()
     return f"{head_dir} sha256:{whole[:16]}"
+
+
+def _stage_one_done(stage_dir: Path, out: Path, settings: dict, tc) -> tuple[bool, bool]:
+    """(finished, longer): a stage-1 head in stage_dir, made with these settings, to reuse (resume on), and whether it
+    trains on to train.steps (`_trains_on`)."""
+    finished = (stage_dir / "config.json").is_file() and tc.resume
+    if finished and (stage_dir / "settings.json").is_file():
+        check_settings(stage_dir / "settings.json", settings, f"the stage-1 head in '{stage_dir}'",
+                       ignore=("processes", "checkpoint_layout"))  # used alike; training on checks checkpoints
+    return finished, finished and _trains_on(stage_dir, out / "checkpoints", tc.steps)
 
 
 def _trains_on(stage_dir: Path, ckpt_root: Path, steps: int) -> bool:
