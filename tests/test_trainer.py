@@ -742,6 +742,20 @@ def test_resume_false_is_checked_after_the_main_process_removed_the_old_checkpoi
         check_or_record_settings(tmp_path / "x", {"train.lr": 2.0}, main=False, resume=True)
 
 
+def test_settings_are_checked_once_for_every_rank(tmp_path):
+    """Under several processes the main rank checks (or records) the settings and every rank gets its outcome: a rank
+    whose filesystem shows other settings no longer stops alone and leaves the others waiting in a collective."""
+    from train.loop import check_or_record_settings
+
+    root = tmp_path / "checkpoints"
+    check_or_record_settings(root, {"train.lr": 1.0}, main=True, resume=True)
+    main_saw = []
+    check_or_record_settings(root, {"train.lr": 2.0}, main=False, resume=True, once=lambda compute: main_saw.append(1))
+    assert main_saw == [1]  # the other rank did not read the file itself
+    with pytest.raises(DraftheadsError, match="train.lr: 1.0 there, 2.0 now"):  # the main rank's check still refuses
+        check_or_record_settings(root, {"train.lr": 2.0}, main=True, resume=True, once=lambda compute: compute())
+
+
 def test_checkpoints_of_another_layout_are_refused_by_name(tmp_path):
     """DDP checkpoints resumed under DeepSpeed failed inside DeepSpeed and read as 'damaged' (delete it): the layout
     is a recorded setting, so the resume names it instead."""

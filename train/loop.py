@@ -207,20 +207,25 @@ def check_settings(path: Path, settings: dict, what: str, ignore: tuple = ()) ->
                               "settings to resume, set train.resume=false to start over, or use another output_dir")
 
 
-def check_or_record_settings(root: Path, settings: dict, main: bool, resume: bool, wait=lambda: None) -> None:
+def check_or_record_settings(root: Path, settings: dict, main: bool, resume: bool, wait=lambda: None,
+                             once=lambda compute: compute()) -> None:
     """A resume is only a resume: checkpoints made with other weight-shaping settings are an error that names the
     difference. train.resume=false starts over: the stage's earlier checkpoints and best weights are removed (by the
-    main process; `wait`, a barrier, keeps the others from checking what it is removing)."""
+    main process; `wait`, a barrier, keeps the others from checking what it is removing). `once` runs the check on
+    the main process alone and gives its outcome, error included, to every rank (distributed.as_main_sees_it)."""
     path = root / "settings.json"
     if not resume and main and root.exists():
         print(f"[draftheads] train.resume=false: removing the earlier checkpoints in {root}")
         shutil.rmtree(root)
     wait()
-    if path.is_file():
-        check_settings(path, settings, f"the checkpoints in '{root}'")
-    elif main:
-        root.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(settings, indent=1, sort_keys=True).encode())
+
+    def check_or_record():
+        if path.is_file():
+            check_settings(path, settings, f"the checkpoints in '{root}'")
+        elif main:
+            root.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(settings, indent=1, sort_keys=True).encode())
+    once(check_or_record)
 
 
 def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop_at_step: int | None = None):
@@ -231,8 +236,8 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
     optimizer = torch.optim.AdamW(params, lr=stage.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     model, optimizer = accelerator.prepare(model, optimizer)
     shard, main, A = shard_of(accelerator), accelerator.is_main_process, tc.grad_accum
-    check_or_record_settings(stage.ckpt_root, stage.settings, main, tc.resume, accelerator.wait_for_everyone)
-    accelerator.wait_for_everyone()
+    check_or_record_settings(stage.ckpt_root, stage.settings, main, tc.resume, accelerator.wait_for_everyone,
+                             once=lambda compute: as_main_sees_it(accelerator, compute))
 
     done, last = as_main_sees_it(accelerator, lambda: newest_checkpoint(stage.ckpt_root))
     check_steps(done, stage.steps, last, stage.steps_option)
