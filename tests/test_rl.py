@@ -191,6 +191,8 @@ def test_rl_run_logs_the_held_out_objective_before_and_after(tiny_target, tmp_pa
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in rows if r["stage"] == "rl" and "val_expected_accepted" in r]
     assert [r["step"] for r in val] == [0, 2]
+    steps = [r for r in rows if r["stage"] == "rl" and "loss" in r]  # the serving T, not the unused schedule's
+    assert steps and all("temperature" not in r and "serve_temperature" in r for r in steps)
     for row, head_dir in zip(val, ("head_soft_label", "head")):
         assert {"val_tau_est", "val_tau_chain", "val_reward", "val_alpha_1", "val_alpha_3",
                 "val_serve_temperature"} <= set(row)

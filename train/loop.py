@@ -111,6 +111,7 @@ class Stage:
     keep_best_by: str = "val_loss"  # val_loss (lowest) or a τ metric (highest) of the validation's output
     steps_option: str = "train.steps"  # the option that sets `steps`, for messages
     settings: dict = field(default_factory=dict)  # what shapes the weights (train.trainer.stage_settings)
+    anneals: bool = True  # step_fn reads the distillation T schedule, logged as `temperature` (RL serves at its own)
 
 
 @dataclass
@@ -339,7 +340,7 @@ def _steps(accelerator, model, optimizer, stage: Stage, tc, log: RunLog, shard: 
             means = shard.reduce(window)
             elapsed = time.perf_counter() - t0
             logged = {"stage": stage.name, "step": step, "loss": round(means.pop("loss"), 6), "lr": lr,
-                      "temperature": round(temperature, 4),
+                      **({"temperature": round(temperature, 4)} if stage.anneals else {}),
                       "tokens_per_s": round(means.pop("tokens", 0) / max(elapsed, 1e-9), 1),
                       **{k: round(v, 1 if k.endswith("_ms") else 4) for k, v in means.items()}}
             log.write(logged)

@@ -469,5 +469,5 @@ def train_rl(cfg, head, target, dataset, holdout, out: Path, log, accelerator, s
     stage = Stage("rl", tc.rl_steps, tc.rl_lr, min(tc.warmup_steps, tc.rl_steps // 5),
                   rl_step_fn(head, reference, target, dataset, tc, k, target.device, fill, accelerator.autocast),
                   out / "checkpoints_rl", validate,
-                  keep_best=False, steps_option="train.rl_steps", settings=settings or {})
+                  keep_best=False, steps_option="train.rl_steps", settings=settings or {}, anneals=False)
     return run_stage(accelerator, head, stage, tc, log, stop_at_step)
