@@ -74,10 +74,9 @@ class StaticKVCache:
         (`read` = reader(rows))."""
         kc, vc = self.k[layer], self.v[layer]
         R, T = slots.shape
-        if not self.static and R == 1:  # one request: contiguous slice copy and a view to read
-            r, start = read.start, int(slots[0, 0])
-            kc[r, :, start:start + T] = k_new[0]
-            vc[r, :, start:start + T] = v_new[0]
+        if not self.static and R == 1:  # one request: a copy into its row, without reading the slots on the host
+            kc[read.start].index_copy_(1, slots[0], k_new[0])  # (a CUDA sync in each of the target's layers)
+            vc[read.start].index_copy_(1, slots[0], v_new[0])
         else:
             row_idx = rows[:, None].expand(R, T)
             kc[row_idx, :, slots] = k_new.transpose(1, 2)  # advanced dims first: [R, T, kvh, hd]
