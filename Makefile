@@ -6,7 +6,7 @@ WHEELS := ../shared/wheels
 PIP_LOCAL := $(shell [ -d $(WHEELS) ] && echo --find-links $(WHEELS))
 THREADS ?= 2
 
-.PHONY: demo test test-slow install clean
+.PHONY: demo test test-slow install gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml setup.py constraints.txt data/_draft_lookup.c inference/_cpu_kernels.c
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,11 @@ test-slow: $(BIN)/.installed
 
 demo: $(BIN)/.installed
 	OMP_NUM_THREADS=$(THREADS) bash eval/demo.sh
+
+# what eval/gpu_check.sh's training steps read beyond a GPU image's torch, triton, transformers and accelerate (Hydra's
+# schemas): pure-Python distributions in .whl/ (ignored by git), to carry to an offline GPU machine with the repository
+gpu-wheels: $(BIN)/.installed
+	$(BIN)/pip download -q $(PIP_LOCAL) --no-deps -c constraints.txt -d .whl hydra-core omegaconf antlr4-python3-runtime
 
 clean:
 	rm -rf $(VENV) outputs

@@ -4,12 +4,13 @@
 #   bash eval/gpu_check.sh [OUT_DIR]          # default $OUT/gpu_check (the device tool's folder), else outputs/gpu_check
 #
 # Needs a python3 with CUDA torch, triton, transformers, pytest (the GPU image has them); the repo runs from
-# source (PYTHONPATH), nothing is installed. Target: $TARGET_PATH (a saved SmolLM2 directory) if given, else
-# the converted cache of this project if present, else random weights with SmolLM2-135M's shapes
-# (`random-smollm2-shape`: per-step costs are real, acceptance is not). Prompts: $PROMPTS, else
-# eval/data (the repository's copy). Every step has its own timeout; a failing step is reported, the rest run.
+# source (PYTHONPATH), nothing is installed but Hydra for the training steps: `make gpu-wheels` puts it in .whl/,
+# which an offline machine needs beside the checkout (the device tool: carry [".whl"]). Target: $TARGET_PATH (a
+# saved SmolLM2 directory) if given, else the converted cache of this project if present, else random weights with
+# SmolLM2-135M's shapes (`random-smollm2-shape`: per-step costs are real, acceptance is not). Prompts: $PROMPTS,
+# else eval/data (the repository's copy). Every step has its own timeout; a failing step is reported, the rest run.
 # Writes OUT_DIR/<step>.log and OUT_DIR/summary.jsonl (the last JSON line of each benchmark); prints one JSON line
-# last (steps run, failed). Step timeouts add up to ~9.5 min at most.
+# last (steps run, failed). Step timeouts add up to 590 s at most.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -49,18 +50,23 @@ step() {  # step NAME SECONDS CMD...: run with a timeout, log, keep the last JSO
 step env 20 $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, \
 transformers.__version__, torch.cuda.get_device_name(0))"
 # training reads Hydra's schemas: when the image lacks them, hydra-core / omegaconf come from a wheel directory
-# ($WHEELS, else shared/wheels inside the checkout where the machine provides one) and antlr4 (an sdist only, which
-# pip cannot build without setuptools) from its unpacked source on PYTHONPATH. The deps step reports the outcome.
+# ($WHEELS, else .whl/ from `make gpu-wheels`, carried with the checkout, else shared/wheels inside it) into a
+# directory on PYTHONPATH (the image's site-packages may be read-only), and antlr4 4.9 (an sdist only, which pip cannot
+# build without setuptools) from its unpacked source, ahead of any other antlr4 the image has (omegaconf 2.3's grammar
+# fails under 4.10+). The deps step reports the outcome.
 WHEELS=${WHEELS:-}
-[ -z "$WHEELS" ] && [ -d shared/wheels ] && WHEELS=shared/wheels
+for w in .whl shared/wheels; do [ -z "$WHEELS" ] && [ -d "$w" ] && WHEELS=$w; done
 if ! $PY -c "import hydra" 2>/dev/null && [ -n "$WHEELS" ]; then
+  site=${TMPDIR:-/tmp}/draftheads_site
+  mkdir -p "$site" && export PYTHONPATH="$PYTHONPATH:$site"
   antlr=$(ls "$WHEELS"/antlr4-python3-runtime-*.tar.gz 2>/dev/null | head -1)
-  if ! $PY -c "import antlr4" 2>/dev/null && [ -n "$antlr" ]; then
-    mkdir -p "$OUT/deps" && tar xzf "$antlr" -C "$OUT/deps"
-    src=$(ls -d "$OUT"/deps/antlr4-python3-runtime-*/src | head -1)
-    export PYTHONPATH="$PYTHONPATH:$(cd "$src" && pwd)"
+  if [ -n "$antlr" ]; then
+    tar xzf "$antlr" -C "$site"
+    src=$(ls -d "$site"/antlr4-python3-runtime-*/src | head -1)
+    export PYTHONPATH="$PYTHONPATH:$src"
   fi
-  $PY -m pip install -q --no-index --no-deps --find-links "$WHEELS" hydra-core omegaconf > "$OUT/deps.log" 2>&1
+  $PY -m pip install -q --no-index --no-deps --target "$site" --find-links "$WHEELS" hydra-core omegaconf \
+    > "$OUT/deps.log" 2>&1
 fi
 step deps 20 $PY -c "import json, hydra, omegaconf, antlr4; print(json.dumps({'hydra': hydra.__version__, \
 'omegaconf': omegaconf.__version__}))"
@@ -103,7 +109,7 @@ step bf16_k16 35 $PY -m eval.speedup $COMMON --dtype bfloat16 --max-new $MAX_NEW
 step batch8_graphs 40 $PY -m eval.speedup $COMMON --categories qa --dtype float32 --max-new $MAX_NEW --limit 16 \
   --batch 8 --cuda-graphs --modes plain,spec --repeats 2 --check-lossless
 # torch.compile(mode="reduce-overhead") last: its compile time is the least predictable (one compile per width)
-step compile_fp32 60 $PY -m eval.speedup $COMMON --dtype float32 --max-new 16 --limit 1 --repeats 1 --compile \
+step compile_fp32 90 $PY -m eval.speedup $COMMON --dtype float32 --max-new 16 --limit 1 --repeats 1 --compile \
   --modes plain,spec --check-lossless
 # training on the GPU (bf16 autocast): tokens/s and peak memory next to the dry-run plan's estimate, then the same
 # through accelerate's FSDP2 path (one process: the wrapped forward, full state dict gathered for saving)
