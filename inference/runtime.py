@@ -308,20 +308,22 @@ class Runtime:
     @torch.no_grad()
     def profile_cost(self, sizes=(1, 2, 4, 8, 16), context: int = 128, repeats: int = 7) -> VerifyCost:
         """Seconds for one forward of n tokens after `context` committed ones (median of repeats): the
-        steps-per-second curve the confidence prefix scheduler and the group planner read. Run once at start-up."""
+        steps-per-second curve the confidence prefix scheduler and the group planner read. Run once at start-up, with
+        the arguments a chain's verify passes (a compiled forward recompiles for any other call signature)."""
         context = min(context, self.cache.max_len - max(sizes) - 1)
         row = self.cache.all_rows()[:1]
         ids = torch.randint(0, self.target.vocab_size, (1, context + max(sizes)), device=self.device)
         self.cache.reset()
         self.prefill(ids[:, :context], self.cache, rows=row, compute_logits=False)
         self.cache.commit(row, torch.tensor([context], device=self.device))
+        causal = {n: torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None] for n in sizes}
         for n in sizes:  # warm-up: every shape once (kernel creation) before anything is timed
-            self.forward(ids[:, context: context + n], self.cache, rows=row, verify=True)
+            self.forward(ids[:, context: context + n], self.cache, tree_mask=causal[n], rows=row, verify=True)
         times = {n: [] for n in sizes}
         for _ in range(repeats):  # rounds over all sizes: a machine that drifts meanwhile shifts every size alike
             for n in sizes:
                 t0 = time.perf_counter()
-                self.forward(ids[:, context: context + n], self.cache, rows=row, verify=True)
+                self.forward(ids[:, context: context + n], self.cache, tree_mask=causal[n], rows=row, verify=True)
                 self._sync()
                 times[n].append(time.perf_counter() - t0)
         seconds = [sorted(times[n])[repeats // 2] for n in sizes]

@@ -255,6 +255,29 @@ def test_grouped_batches_are_lossless(tiny_target):
     assert g.tokens == ref and g.stats.forwards > g.stats.rounds / 4
 
 
+def test_profiling_calls_the_forward_as_a_chain_verify_does(tiny_target):
+    """A compiled forward (torch.compile, dynamic=False) recompiles the whole target for every new call signature: the
+    cost profile must call it as verify does (a causal mask given, rows, no position offsets), or a --compile run
+    compiles every width twice."""
+    def signature(kw):
+        mask = kw.get("tree_mask")
+        return tuple(sorted(k for k, v in kw.items() if v is not None)), None if mask is None else (mask.dtype, mask.dim())
+
+    prompts = make_prompts((9,))
+    rt = Runtime(tiny_target, max_len=64, batch_size=1)
+    seen, forward = {"profile": set(), "generate": set()}, rt.forward
+    phase = "profile"
+
+    def spy(*args, **kw):
+        seen[phase].add(signature(kw))
+        return forward(*args, **kw)
+    rt.forward = spy
+    rt.profile_cost(sizes=(1, 2, 4), context=8, repeats=1)
+    phase = "generate"
+    rt.generate(prompts, 6, source=OracleSource(prompts, reference(tiny_target, prompts, 6)), k=3, ignore_eos=True)
+    assert seen["profile"] and seen["profile"] <= seen["generate"], seen
+
+
 def test_tree_cache_is_compacted(tiny_target):
     """After tree rounds the cache rows equal a fresh prefill of the committed text (paths moved in place)."""
     prompts = make_prompts((6,))
