@@ -299,6 +299,13 @@ def run_stage(accelerator, model: nn.Module, stage: Stage, tc, log: RunLog, stop
     return True, _full_state(accelerator, model), logged
 
 
+def clock(device: torch.device) -> float:
+    """time.perf_counter() once the device has run what was queued: a step's phase times, also on CUDA."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _steps(accelerator, model, optimizer, stage: Stage, tc, log: RunLog, shard: Shard, step: int, best, bar,
            stop_at_step):
     """The optimizer steps from `step` to stage.steps (or a simulated kill): returns (step reached, last metrics)."""
@@ -315,16 +322,16 @@ def _steps(accelerator, model, optimizer, stage: Stage, tc, log: RunLog, shard: 
         for a in range(A):
             micro = (step * A + a) * shard.world + shard.rank
             with accelerator.accumulate(model):
-                t = [time.perf_counter()]
+                t = [clock(accelerator.device)]
                 loss, stats = stage.step_fn(model, micro, temperature)  # data (reported by the stage) + forward
-                t.append(time.perf_counter())
+                t.append(clock(accelerator.device))
                 accelerator.backward(loss)
-                t.append(time.perf_counter())
+                t.append(clock(accelerator.device))
                 if accelerator.sync_gradients and tc.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
-                t.append(time.perf_counter())
+                t.append(clock(accelerator.device))
             step_loss += float(loss.detach()) / A
             data_s = stats.pop("data_s", 0.0)
             window.update({**stats, "data_ms": 1e3 * data_s * A, "forward_ms": 1e3 * (t[1] - t[0] - data_s) * A,
