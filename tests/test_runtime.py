@@ -261,7 +261,8 @@ def test_profiling_calls_the_forward_as_a_chain_verify_does(tiny_target):
     compiles every width twice."""
     def signature(kw):
         mask = kw.get("tree_mask")
-        return tuple(sorted(k for k, v in kw.items() if v is not None)), None if mask is None else (mask.dtype, mask.dim())
+        given = tuple(sorted(k for k, v in kw.items() if v is not None))
+        return given, None if mask is None else (mask.dtype, mask.dim())
 
     prompts = make_prompts((9,))
     rt = Runtime(tiny_target, max_len=64, batch_size=1)
