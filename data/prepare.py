@@ -23,7 +23,7 @@ from data.regenerate import merge_parts as merge_regenerated
 from data.regenerate import record_files, regenerate, regeneration_totals
 from models.errors import DraftheadsError
 from models.files import write_atomic
-from models.target import Target, _parse_dtype
+from models.target import Target, _parse_dtype, dtype_name
 
 FEATURE_MODES = ("offline", "online", "none")
 REGEN_SHAPING = ("source", "path", "max_records", "skip_records", "max_length", "regenerate", "regen_max_new",
@@ -43,9 +43,10 @@ class Workers:
 
 def weights_identity(path: str | None, dtype: str) -> dict:
     """Which weights the target was loaded from, beyond its name: target.path (resolved) when given, target.dtype when
-    not float32. Empty for the built-in weights in float32, so data made before this key existed keeps its key."""
+    not float32 (as `dtype_name` spells it). Empty for the built-in weights in float32, so data made before this key
+    existed keeps its key."""
     weights = {"path": str(Path(path).expanduser().resolve())} if path else {}
-    return weights | ({"dtype": dtype} if dtype != "float32" else {})
+    return weights | ({"dtype": dtype_name(dtype)} if dtype_name(dtype) != "float32" else {})
 
 
 def source_stamp(path: str | None) -> dict:
@@ -69,6 +70,7 @@ def data_settings(d, fingerprint: dict, seed: int, weights: dict | None = None) 
     template's hash is recorded beside them and checked on reuse (ready_report, the regeneration stamp) rather than
     keyed, so caches made before it still open."""
     keep = {k: getattr(d, k) for k in SHAPING} | source_stamp(d.path)
+    keep["regen_dtype"] = dtype_name(keep["regen_dtype"])  # bf16 and bfloat16 regenerate alike
     keep["target"] = {k: fingerprint[k] for k in ("name", "tokenizer_hash", "layer_ids")} | \
         ({"weights": weights} if weights else {})
     keep["seed"] = seed

@@ -438,6 +438,11 @@ def _load_dir(directory: Path, torch_dtype: torch.dtype, device: str = "cpu"):
     return model, tok
 
 
+def dtype_name(dtype: str) -> str:
+    """One spelling per dtype (bf16 -> bfloat16, fp32 -> float32): what keys data records, so spellings agree."""
+    return str(_parse_dtype(dtype)).removeprefix("torch.")
+
+
 def _parse_dtype(dtype: str) -> torch.dtype:
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}

@@ -222,9 +222,11 @@ def test_answers_regenerated_with_other_settings_are_never_reused(tiny_target, t
     bf16 = weights_identity(None, "bfloat16")
     assert d.regen_dtype == "bfloat16" and data_settings(d, tiny_target.fingerprint, 0, bf16)["regen_sha256"] == \
         base["regen_sha256"]
-    d.regen_dtype = "bf16"  # another spelling of the target's dtype: not rounded weights
+    d.regen_dtype = "bf16"  # another spelling of the target's dtype: not rounded weights, and the same data
     assert data_settings(d, tiny_target.fingerprint, 0, bf16)["regen_sha256"] == \
-        data_settings(d, tiny_target.fingerprint, 0)["regen_sha256"]
+        data_settings(d, tiny_target.fingerprint, 0)["regen_sha256"] == base["regen_sha256"]
+    assert data_settings(d, tiny_target.fingerprint, 0)["sha256"] == base["sha256"]
+    assert weights_identity(None, "bf16") == bf16 and weights_identity(None, "fp32") == {}  # spellings alike
     d.regen_dtype = "float32"
     assert data_settings(d, tiny_target.fingerprint, 0, weights_identity(None, "fp32"))["regen_sha256"] == \
         data_settings(d, tiny_target.fingerprint, 0)["regen_sha256"]
