@@ -62,9 +62,15 @@ def source_stamp(path: str | None) -> dict:
     return {"path_files": {"files": len(stats), "bytes": sum(s[1] for s in stats), "sha256": _digest(stats)}}
 
 
+def data_seed(d, seed: int) -> int:
+    """train.seed where it shapes the data (answers sampled at data.regen_temperature > 0), else 0: greedy answers are
+    the same under every seed, so a run with another training seed reuses the data instead of regenerating it."""
+    return seed if d.regenerate and d.regen_temperature > 0 else 0
+
+
 def data_settings(d, fingerprint: dict, seed: int, weights: dict | None = None) -> dict:
     """What shapes the data directory's content: the data.* fields that change records or tokens, what the files at
-    data.path hold (`source_stamp`), the target (name, tokenizer, feature layers, `weights_identity`) and the seed;
+    data.path hold (`source_stamp`), the target (name, tokenizer, feature layers, `weights_identity`) and `data_seed`;
     shard sizes do not. `regen_sha256` keys the regenerated text alone (the feature layers do not shape it, nor
     target.dtype unless `rounded_weights`), so heads reading other layers share one regeneration. The chat
     template's hash is recorded beside them and checked on reuse (ready_report, the regeneration stamp) rather than
@@ -73,7 +79,7 @@ def data_settings(d, fingerprint: dict, seed: int, weights: dict | None = None) 
     keep["regen_dtype"] = dtype_name(keep["regen_dtype"])  # bf16 and bfloat16 regenerate alike
     keep["target"] = {k: fingerprint[k] for k in ("name", "tokenizer_hash", "layer_ids")} | \
         ({"weights": weights} if weights else {})
-    keep["seed"] = seed
+    keep["seed"] = data_seed(d, seed)
     keep["sha256"] = _digest(keep)
     regen_target = {k: fingerprint[k] for k in ("name", "tokenizer_hash")}
     if weights and "path" in weights:
@@ -126,6 +132,7 @@ def prepare_data(target: Target, out_dir: str | Path, d, seed: int = 0, workers:
     weights: `weights_identity` of the target."""
     if d.features not in FEATURE_MODES:
         raise DraftheadsError(f"data.features '{d.features}' is not one of {list(FEATURE_MODES)}")
+    seed = data_seed(d, seed)
     out = Path(out_dir)
     regenerated = Path(regenerated) if regenerated else out / "regenerated.jsonl"
     main = workers.rank == 0

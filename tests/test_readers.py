@@ -235,6 +235,12 @@ def test_answers_regenerated_with_other_settings_are_never_reused(tiny_target, t
     prepare_data(tiny_target, tmp_path / "f32", d)
     with pytest.raises(DraftheadsError, match="target.dtype: None there, 'bfloat16' now"):
         prepare_data(tiny_target, tmp_path / "f32", d, weights=bf16)
+    # another train.seed: the same greedy answers (no regeneration), other sampled ones
+    assert prepare_data(tiny_target, tmp_path / "f32", d, seed=1)["regenerate"]["new_tokens"] == 0
+    assert data_settings(d, tiny_target.fingerprint, 1) == data_settings(d, tiny_target.fingerprint, 0)
+    d.regen_temperature = 0.7
+    sampled = [data_settings(d, tiny_target.fingerprint, seed)["sha256"] for seed in (0, 1)]
+    assert sampled[0] != sampled[1]
 
 
 def test_data_edited_in_place_is_other_data(tiny_target, tmp_path):
