@@ -23,7 +23,7 @@ from data.regenerate import merge_parts as merge_regenerated
 from data.regenerate import record_files, regenerate, regeneration_totals
 from models.errors import DraftheadsError
 from models.files import write_atomic
-from models.target import Target, _parse_dtype, dtype_name
+from models.target import Target, _parse_dtype, dtype_name, recorded_dtype
 
 FEATURE_MODES = ("offline", "online", "none")
 REGEN_SHAPING = ("source", "path", "max_records", "skip_records", "max_length", "regenerate", "regen_max_new",
@@ -211,6 +211,11 @@ def check_regeneration_settings(regenerated: Path, settings: dict, main: bool) -
         before = json.loads(stamp.read_text())
         before.setdefault("data.path's files", now.get("data.path's files"))  # stamped before files were
         before.setdefault("target's chat template", now["target's chat template"])  # or templates
+        if not (settings["regenerate"] and settings["regen_temperature"] > 0):  # stamped with train.seed as given
+            before["train.seed"] = 0  # before greedy answers stopped depending on it (data_seed)
+        for key in ("data.regen_dtype", "target.dtype"):  # and dtypes as spelled (dtype_name)
+            if before.get(key) is not None:
+                before[key] = recorded_dtype(before[key])
     except FileNotFoundError:
         before = now  # no stamp (a file from before stamps existed): taken as made with these settings
     except ValueError:

@@ -443,6 +443,14 @@ def dtype_name(dtype: str) -> str:
     return str(_parse_dtype(dtype)).removeprefix("torch.")
 
 
+def recorded_dtype(dtype: str) -> str:
+    """A dtype as a file records it, in `dtype_name`'s spelling (unknown names as they are: the comparison names them)."""
+    try:
+        return dtype_name(dtype)
+    except DraftheadsError:
+        return dtype
+
+
 def _parse_dtype(dtype: str) -> torch.dtype:
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}

@@ -91,6 +91,10 @@ def test_replay_features_of_another_target_are_refused(tiny_target, tmp_path):
     (tmp_path / "mine" / "data_report.json").write_text(json.dumps({"settings": {"target": {"name": "x"}}}))
     with pytest.raises(DraftheadsError, match="not of this run's 'tiny-random-llama' \\({'path'"):
         with_replay(domain, str(tmp_path / "mine" / "features"), 0.5, tiny_target, tuned)
+    for spelled, now in (("fp32", {}), ("bf16", weights_identity(None, "bfloat16"))):  # reports of older runs
+        report = {"settings": {"target": {"name": "x", "weights": {"dtype": spelled}}}}
+        (tmp_path / "mine" / "data_report.json").write_text(json.dumps(report))
+        assert len(with_replay(domain, str(tmp_path / "mine" / "features"), 0.5, tiny_target, now)) == 6
 
 
 def test_replay_needs_its_features(tiny_target):

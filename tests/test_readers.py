@@ -237,6 +237,9 @@ def test_answers_regenerated_with_other_settings_are_never_reused(tiny_target, t
         prepare_data(tiny_target, tmp_path / "f32", d, weights=bf16)
     # another train.seed: the same greedy answers (no regeneration), other sampled ones
     assert prepare_data(tiny_target, tmp_path / "f32", d, seed=1)["regenerate"]["new_tokens"] == 0
+    stamp = tmp_path / "f32" / "regenerated.jsonl.settings.json"  # as stamped before: the seed, a dtype as spelled
+    stamp.write_text(json.dumps({**json.loads(stamp.read_text()), "train.seed": 5, "data.regen_dtype": "fp32"}))
+    assert prepare_data(tiny_target, tmp_path / "f32", d, seed=5)["regenerate"]["new_tokens"] == 0
     assert data_settings(d, tiny_target.fingerprint, 1) == data_settings(d, tiny_target.fingerprint, 0)
     d.regen_temperature = 0.7
     sampled = [data_settings(d, tiny_target.fingerprint, seed)["sha256"] for seed in (0, 1)]
