@@ -165,8 +165,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, bool]:
     batches = [(cat, ps[i:i + args.batch]) for cat, ps in by_cat.items() for i in range(0, len(ps), args.batch)]
     max_len = max(map(len, prompts)) + args.max_new + 2 * max(args.k, args.k_max) + 2
     rt = Runtime(target, max_len=max_len, batch_size=args.batch, cuda_graphs=args.cuda_graphs, compile=args.compile)
-    widest = 1 + (max(args.k, args.k_max) if args.dynamic_k else args.k)  # compiled runtimes pad to a power of two
-    cost = rt.profile_cost(sizes=tuple(1 << i for i in range((widest - 1).bit_length() + 1)))  # each a compile
+    widest = max(16, 1 + (max(args.k, args.k_max) if args.dynamic_k else args.k))  # the group planner reads ~16+
+    cost = rt.profile_cost(sizes=tuple(1 << i for i in range((widest - 1).bit_length() + 1)))
     schedule = (lambda: DynamicK(k=args.k, k_max=args.k_max)) if args.dynamic_k else None
     prefix = ConfidencePrefix(cost) if args.prefix else None
 

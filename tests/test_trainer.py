@@ -581,6 +581,10 @@ def test_a_finished_run_recorded_before_an_option_existed_still_resumes(tmp_path
     with pytest.raises(DraftheadsError, match="processes: 2 there, 1 now"):  # each step would read other data
         check_settings(path, {**now, "processes": 1}, "the head")
     check_settings(path, {**now, "processes": 1}, "the head", ignore=("processes",))  # a finished head, used as is
+    for damaged in ('{"stage": "soft_la', '[1, 2]'):  # a torn write, or not an object: named, not a traceback
+        path.write_text(damaged)
+        with pytest.raises(DraftheadsError, match="settings.json' \\(the settings of the head\\) is damaged"):
+            check_settings(path, now, "the head")
 
 
 def test_the_target_lm_head_rows_are_made_once_in_the_matmul_dtype():

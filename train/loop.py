@@ -198,7 +198,11 @@ def check_settings(path: Path, settings: dict, what: str, ignore: tuple = ()) ->
     from conf.schema import Config
 
     settings = {k: v for k, v in settings.items() if k not in ignore}
-    recorded = {k: v for k, v in json.loads(path.read_text()).items() if k not in ignore}
+    try:
+        recorded = {k: v for k, v in json.loads(path.read_text()).items() if k not in ignore}
+    except (ValueError, AttributeError):  # truncated or not a JSON object
+        raise DraftheadsError(f"'{path}' (the settings of {what}) is damaged; restore it, set train.resume=false to "
+                              "start over, or use another output_dir") from None
     defaults = OmegaConf.structured(Config)
     recorded |= {k: OmegaConf.select(defaults, k, default=settings[k]) for k in set(settings) - set(recorded)}
     keys = sorted(set(recorded) | set(settings))
