@@ -444,7 +444,7 @@ def dtype_name(dtype: str) -> str:
 
 
 def recorded_dtype(dtype: str) -> str:
-    """A dtype as a file records it, in `dtype_name`'s spelling (unknown names as they are: the comparison names them)."""
+    """A dtype a file records, in `dtype_name`'s spelling (unknown names as they are: the comparison names them)."""
     try:
         return dtype_name(dtype)
     except DraftheadsError:
