@@ -23,7 +23,7 @@ from data.regenerate import merge_parts as merge_regenerated
 from data.regenerate import record_files, regenerate, regeneration_totals
 from models.errors import DraftheadsError
 from models.files import write_atomic
-from models.target import Target, _parse_dtype, dtype_name, recorded_dtype
+from models.target import Target, dtype_name
 
 FEATURE_MODES = ("offline", "online", "none")
 REGEN_SHAPING = ("source", "path", "max_records", "skip_records", "max_length", "regenerate", "regen_max_new",
@@ -43,10 +43,15 @@ class Workers:
 
 def weights_identity(path: str | None, dtype: str) -> dict:
     """Which weights the target was loaded from, beyond its name: target.path (resolved) when given, target.dtype when
-    not float32 (as `dtype_name` spells it). Empty for the built-in weights in float32, so data made before this key
-    existed keeps its key."""
-    weights = {"path": str(Path(path).expanduser().resolve())} if path else {}
-    return weights | ({"dtype": dtype_name(dtype)} if dtype_name(dtype) != "float32" else {})
+    not float32. Empty for the built-in weights in float32, so data made before this key existed keeps its key."""
+    return recorded_weights(({"path": str(Path(path).expanduser().resolve())} if path else {}) | {"dtype": dtype})
+
+
+def recorded_weights(weights: dict) -> dict:
+    """A weights identity in one spelling: the dtype as `dtype_name` spells it, none for float32 (data reports written
+    before spellings were unified record the dtype as given)."""
+    dtype = dtype_name(weights.get("dtype") or "float32")
+    return {k: v for k, v in weights.items() if k != "dtype"} | ({"dtype": dtype} if dtype != "float32" else {})
 
 
 def source_stamp(path: str | None) -> dict:
@@ -98,8 +103,7 @@ def rounded_weights(settings: dict) -> str | None:
     dtype = settings["target"].get("weights", {}).get("dtype")
     if dtype is None or settings["regen_backend"] != "runtime":
         return None
-    decoded = (_parse_dtype("float32"), _parse_dtype(settings["regen_dtype"]))  # spellings alike: bf16 is bfloat16
-    return dtype if _parse_dtype(dtype) not in decoded else None
+    return dtype if dtype not in ("float32", settings["regen_dtype"]) else None  # both as dtype_name spells them
 
 
 def _digest(settings: dict) -> str:
@@ -215,7 +219,7 @@ def check_regeneration_settings(regenerated: Path, settings: dict, main: bool) -
             before["train.seed"] = 0  # before greedy answers stopped depending on it (data_seed)
         for key in ("data.regen_dtype", "target.dtype"):  # and dtypes as spelled (dtype_name)
             if before.get(key) is not None:
-                before[key] = recorded_dtype(before[key])
+                before[key] = dtype_name(before[key])
     except FileNotFoundError:
         before = now  # no stamp (a file from before stamps existed): taken as made with these settings
     except ValueError:

@@ -439,14 +439,10 @@ def _load_dir(directory: Path, torch_dtype: torch.dtype, device: str = "cpu"):
 
 
 def dtype_name(dtype: str) -> str:
-    """One spelling per dtype (bf16 -> bfloat16, fp32 -> float32): what keys data records, so spellings agree."""
-    return str(_parse_dtype(dtype)).removeprefix("torch.")
-
-
-def recorded_dtype(dtype: str) -> str:
-    """A dtype a file records, in `dtype_name`'s spelling (unknown names as they are: the comparison names them)."""
+    """One spelling per dtype (bf16 -> bfloat16, fp32 -> float32), so data keys and records agree however a setting
+    spelled it; an unknown name as it is (loading the target names it)."""
     try:
-        return dtype_name(dtype)
+        return str(_parse_dtype(dtype)).removeprefix("torch.")
     except DraftheadsError:
         return dtype
 

@@ -30,7 +30,6 @@ from models.draft_vocab import build_draft_vocab, extend_draft_vocab, to_draft_i
 from models.errors import DraftheadsError
 from models.families import family
 from models.files import write_atomic
-from models.target import recorded_dtype
 from train.cod import anchor_plan, cod_plan, plan_to
 from train.distributed import as_main_sees_it, calls_everywhere
 from train.loop import (RunLog, Shard, Stage, Tally, check_settings, check_steps, newest_checkpoint,
@@ -105,6 +104,8 @@ def with_replay(dataset, path: str | None, fraction: float, target, weights: dic
     `fraction` of the mixture: fine-tuning on a domain keeps seeing general data, so it forgets less. The general
     set must come from this target: its name, and its weights (`data.prepare.weights_identity`, as the data report
     beside it records them) where `weights` is given."""
+    from data.prepare import recorded_weights
+
     if fraction <= 0:
         return dataset
     if not path:
@@ -116,11 +117,8 @@ def with_replay(dataset, path: str | None, fraction: float, target, weights: dic
         made_with = json.loads((Path(path) / ".." / "data_report.json").read_text())["settings"]["target"]
     except (OSError, ValueError, KeyError):
         made_with = None  # features made elsewhere: the manifest's fingerprint is what there is to check
-    made_weights = dict(made_with.get("weights", {})) if made_with else {}
-    if made_weights.get("dtype"):  # recorded as spelled before dtype_name: fp32 is no dtype entry, bf16 is bfloat16
-        made_weights["dtype"] = recorded_dtype(made_weights["dtype"])
-        made_weights = {k: v for k, v in made_weights.items() if (k, v) != ("dtype", "float32")}
-    other_weights = weights is not None and made_with is not None and made_weights != weights
+    other_weights = weights is not None and made_with is not None and \
+        recorded_weights(made_with.get("weights", {})) != weights
     if made_by != target.name or other_weights:
         raise DraftheadsError(f"train.replay_features '{path}' holds hidden states of target '{made_by}' "
                               f"({made_with.get('weights', {}) if made_with else 'weights unrecorded'}), not of this "
