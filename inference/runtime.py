@@ -140,6 +140,8 @@ class Runtime:
             reset_source(s, mix_seeds(seed, b) if per_request else seed)
         if prefix is not None:
             prefix.reset()
+            for s in sources:
+                getattr(s, "check_temperature", lambda t: None)(sampling.temperature)
         feats = any(getattr(s, "needs_features", False) for s in sources)
         aux, final = self._features() if feats else (None, None)
         schedules = [(schedule or (lambda: FixedK(k)))() for _ in range(B)]

@@ -167,6 +167,32 @@ def test_runtime_confidence_prefix_cuts_dspark_drafts_losslessly(target5):
     assert kept == {8.0: K, -8.0: 0}
 
 
+def test_prefix_warns_when_confidences_were_calibrated_for_another_temperature(target5, tmp_path):
+    """train.calibration records its temperature with the head; serving through the prefix scheduler at another one
+    warns (the survival rates it multiplies are for the other T) and still decodes losslessly."""
+    import warnings
+
+    from inference.runtime import Runtime
+    from inference.schedulers import ConfidencePrefix, VerifyCost
+    from inference.sources import build_source
+
+    save_draft(make_head(target5), tmp_path / "head", target5, metrics={"calibration": {"temperature": 0.0}})
+    source = build_source(f"head:{tmp_path / 'head'}", target5)
+    assert source.calibrated_at == 0.0
+    rt = Runtime(target5, max_len=64, batch_size=1)
+    prompt = list(range(3, 12))
+    for temperature, warned in ((0.0, False), (1.0, True)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rt.generate([prompt], 6, source=[source], sampling=SamplingConfig(temperature=temperature), k=K,
+                        prefix=ConfidencePrefix(VerifyCost([1, 2, 8], [1.0, 1.05, 1.4])), ignore_eos=True)
+        messages = [str(w.message) for w in caught if "calibrated at T=0" in str(w.message)]
+        assert bool(messages) == warned, messages
+    assert "serves at T=1" in messages[0] and "--temperature 1" in messages[0]
+    save_draft(make_head(target5), tmp_path / "plain", target5)  # never calibrated: nothing to compare
+    assert build_source(f"head:{tmp_path / 'plain'}", target5).calibrated_at is None
+
+
 def test_sampling_matches_target_distribution(target5):
     """T>0 through the runtime, one DSpark source per request: the first two emitted tokens follow the target's
     distribution. The head is biased towards the target's top-5 so drafts are often accepted, but q != p."""

@@ -11,12 +11,28 @@ inference/sources/draft_head.py's DraftHeadSource for every other family.
 
 from __future__ import annotations
 
-from inference.sources import draft_head
+import json
+import warnings
+from pathlib import Path
+
+from inference.sources import draft_head, path_and_options
 from models.families import family
 
 
 class DSparkSource(draft_head.DraftHeadSource):
-    """DraftHeadSource's propose (tokens sampled left to right, each row's q reported) plus the confidence head."""
+    """DraftHeadSource's propose (tokens sampled left to right, each row's q reported) plus the confidence head.
+    `calibrated_at`: the temperature train.calibration fitted the confidences at (None: not calibrated)."""
+
+    calibrated_at: float | None = None
+
+    def check_temperature(self, temperature: float) -> None:
+        """Warn when the confidences were calibrated for another serving temperature than `temperature`: the
+        prefix scheduler then keeps too many or too few drafts (speed only: the output is unchanged)."""
+        if self.calibrated_at is not None and abs(self.calibrated_at - temperature) > 1e-6:
+            warnings.warn(f"draft source '{self.name}': its confidences were calibrated at T={self.calibrated_at:g} "
+                          f"and it serves at T={temperature:g}, so the confidence prefix scheduler cuts drafts on "
+                          "the wrong survival rates (output unchanged, speed may drop); recalibrate with `python -m "
+                          f"train.calibration --head DIR --features DIR --temperature {temperature:g}`", stacklevel=2)
 
     def _draft(self, tokens, feats, k: int, sample_fn):
         return self.head.draft(tokens, feats, self.cache, k, sample_fn)  # (logits [k, V_draft], confidences [k])
@@ -25,6 +41,11 @@ class DSparkSource(draft_head.DraftHeadSource):
 def head_source(arg: str | None, target):
     """Factory for 'head:DIR': the checkpoint's family decides the source class."""
     source = draft_head.head_source(arg, target)
-    if family(source.head.family_name).confidences:
-        return DSparkSource(source.head, source.name)
-    return source
+    if not family(source.head.family_name).confidences:
+        return source
+    dspark = DSparkSource(source.head, source.name)
+    metrics = Path(path_and_options(arg)[0]) / "metrics.json"
+    if metrics.is_file():
+        calibration = json.loads(metrics.read_text()).get("calibration") or {}
+        dspark.calibrated_at = calibration.get("temperature")
+    return dspark
