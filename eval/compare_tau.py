@@ -5,8 +5,10 @@
 Each pair must hold the same (question, turn) records (run with the same --prompts/--categories/--limit). τ is the
 aggregate (tokens / rounds) of each run; the 95% interval resamples questions (1000 draws, seed 0) and recomputes the
 τ difference, so it covers question-to-question spread and, at T > 0, the sampling noise of each run. With several
-pairs (other seeds or K) the same resampled questions weight every pair: one pooled difference. Prints one JSON
-line per pair, then the pooled line last.
+pairs (other draft seeds, or other prompts files) the same resampled questions weight every pair: one pooled
+difference of aggregate τ (all after tokens / rounds minus all before), so each pair weighs by its rounds; pooled
+pairs must share the sampling, max_new and target (pool runs of like τ; compare other K pair by pair). Prints one
+JSON line per pair, then the pooled line last; `relative` is the difference over τ before.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from models.errors import DraftheadsError, cli
 # what a pair's two runs must share (the draft source, K, dtype and engine may differ: they are what is compared)
 SAME_IN_A_PAIR = ("prompts", "categories", "limit", "skip", "temperature", "top_p", "top_k", "max_new", "seed", "target",
                   "target_path")
+SAME_WHEN_POOLED = ("temperature", "top_p", "top_k", "max_new", "target", "target_path")  # what τ means
 
 
 def _results(path: str) -> dict:
@@ -55,14 +58,26 @@ def prompts_identity(results: dict) -> str:
     return request.get("files", {}).get(str(Path(prompts)) if prompts else None, "")  # keyed as eval.acceptance wrote
 
 
-def check_comparable(before_path: str, after_path: str, before_results: dict, after_results: dict) -> None:
+def _setting(request: dict, key: str):
+    value = request.get(key)
+    return str(Path(value)) if key == "prompts" and value else value  # ./p.jsonl is p.jsonl
+
+
+def check_comparable(before_path: str, after_path: str, before_results: dict, after_results: dict,
+                     keys: tuple = SAME_IN_A_PAIR) -> None:
     """Two runs differ only in what is compared: the same prompts file (by content), limits, sampling, max_new, seed
-    and target. Runs that did not record their request are not checked."""
+    and target (`keys`). Two runs that did not record their request are not checked; one that did not, against one
+    that did, is refused (nothing would say the settings agree)."""
     before, after = before_results.get("request"), after_results.get("request")
-    if before is None or after is None:
+    if before is None and after is None:
         return
-    diff = [f"{k}: {before.get(k)!r} / {after.get(k)!r}" for k in SAME_IN_A_PAIR if before.get(k) != after.get(k)]
-    if prompts_identity(before_results) != prompts_identity(after_results):
+    if before is None or after is None:
+        raise DraftheadsError(f"'{before_path if before is None else after_path}' does not record the settings it was "
+                              f"run with (no 'request'), so it cannot be checked against "
+                              f"'{after_path if before is None else before_path}'; rerun it with this eval.acceptance")
+    diff = [f"{k}: {_setting(before, k)!r} / {_setting(after, k)!r}" for k in keys
+            if _setting(before, k) != _setting(after, k)]
+    if "prompts" in keys and prompts_identity(before_results) != prompts_identity(after_results):
         diff.append("the prompts file's content")
     if diff:
         raise DraftheadsError(f"'{before_path}' and '{after_path}' were run with other settings ({'; '.join(diff)}): "
@@ -77,9 +92,12 @@ def categories_of(path: str) -> list[str]:
 def tau_difference(pairs: list[tuple[str, str]], draws: int = 1000, seed: int = 0, category: str | None = None) -> dict:
     rows_b, rows_a, question = [], [], []
     qids: dict = {}
+    first = None
     for before_path, after_path in pairs:
         before_results, after_results = _results(before_path), _results(after_path)
         check_comparable(before_path, after_path, before_results, after_results)
+        first = first or (before_path, before_results)
+        check_comparable(first[0], before_path, first[1], before_results, SAME_WHEN_POOLED)  # pooled pairs
         before = turn_counts(before_results, category, f"'{before_path}'")
         after = turn_counts(after_results, category, f"'{after_path}'")
         if set(before) != set(after):
@@ -102,6 +120,7 @@ def tau_difference(pairs: list[tuple[str, str]], draws: int = 1000, seed: int = 
     ones = torch.ones(len(q), dtype=torch.float64)
     return {"tau_before": round(float(b[:, 0].sum() / b[:, 1].sum()), 4),
             "tau_after": round(float(a[:, 0].sum() / a[:, 1].sum()), 4), "diff": round(diff(ones), 4),
+            "relative": round(diff(ones) / float(b[:, 0].sum() / b[:, 1].sum()), 4),
             "ci95": [round(float(boot.quantile(0.025)), 4), round(float(boot.quantile(0.975)), 4)],
             "questions": len(qids), "turns": len(q), "pairs": len(pairs)}
 

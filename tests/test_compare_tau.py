@@ -78,3 +78,22 @@ def test_a_repeated_question_id_is_refused(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps({"turns": turns}))
     with pytest.raises(DraftheadsError, match="b.json' hold question_id 1 \\(turn 0\\) twice"):
         tau_difference([(str(tmp_path / "b.json"), str(tmp_path / "b.json"))])
+
+
+def test_pooled_pairs_share_what_tau_means_and_a_run_without_settings_is_refused(tmp_path):
+    """Pairs at T=0 and T=1 pooled would blend two quantities; a run that recorded no settings cannot be checked
+    against one that did."""
+    counts = {(1, 0): (60, 40), (2, 0): (60, 30)}
+    request = {"source": "head:a", "prompts": "p.jsonl", "files": {"p.jsonl": "abc"}, "max_new": 64, "seed": 0,
+               "temperature": 0.0}
+    greedy = write(tmp_path / "g.json", counts, request=request)
+    sampled = write(tmp_path / "s.json", counts, request={**request, "temperature": 1.0})
+    other_seed = write(tmp_path / "s1.json", counts, request={**request, "seed": 1})
+    assert tau_difference([(greedy, greedy), (other_seed, other_seed)])["pairs"] == 2  # draft seeds pool
+    with pytest.raises(DraftheadsError, match="other settings \\(temperature: 0.0 / 1.0"):
+        tau_difference([(greedy, greedy), (sampled, sampled)])
+    bare = write(tmp_path / "bare.json", counts)
+    with pytest.raises(DraftheadsError, match="bare.json' does not record the settings"):
+        tau_difference([(greedy, bare)])
+    out = tau_difference([(bare, write(tmp_path / "fast.json", {(1, 0): (60, 30), (2, 0): (60, 30)}))])
+    assert out["relative"] == pytest.approx(out["diff"] / out["tau_before"], abs=1e-3)
