@@ -165,7 +165,9 @@ def _run(args: argparse.Namespace) -> tuple[dict, bool]:
     batches = [(cat, ps[i:i + args.batch]) for cat, ps in by_cat.items() for i in range(0, len(ps), args.batch)]
     max_len = max(map(len, prompts)) + args.max_new + 2 * max(args.k, args.k_max) + 2
     rt = Runtime(target, max_len=max_len, batch_size=args.batch, cuda_graphs=args.cuda_graphs, compile=args.compile)
-    widest = max(16, 1 + (max(args.k, args.k_max) if args.dynamic_k else args.k))  # the group planner reads ~16+
+    # the group planner asks the cost of a whole group's tokens (up to batch x (1 + K)) and reads ~16+: measured, not
+    # extrapolated, as far as a row of the cache holds them after some context
+    widest = min(max(16, args.batch * (1 + (max(args.k, args.k_max) if args.dynamic_k else args.k))), max_len // 2)
     cost = rt.profile_cost(sizes=tuple(1 << i for i in range((widest - 1).bit_length() + 1)))
     schedule = (lambda: DynamicK(k=args.k, k_max=args.k_max)) if args.dynamic_k else None
     prefix = ConfidencePrefix(cost) if args.prefix else None

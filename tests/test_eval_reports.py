@@ -35,6 +35,19 @@ def test_speedup_result_becomes_a_table_row(tmp_path, capsys):
     assert float(cells[3]) == round(result["speedup"], 2) and cells[6] == "-"  # HF generate: not run
 
 
+def test_speedup_profiles_the_widths_a_batch_verifies(tmp_path):
+    """3 requests x (1 + K=5) tokens verify in one forward: the cost the group planner reads is measured to 32
+    tokens (it was measured to 16 and extrapolated beyond)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    out = tmp_path / "b3.json"
+    assert speedup.main(["--prompts", str(prompts), "--target", "tiny-random-llama", "--source", "prompt_lookup",
+                         "--max-new", "40", "--k", "5", "--batch", "3", "--threads", "1", "--modes", "plain,spec",
+                         "--repeats", "1", "--check-lossless", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["lossless"] is True and max(map(int, result["verify_ms"])) == 32
+
+
 def test_report_refuses_what_is_not_a_speedup_result(tmp_path, capsys):
     other = tmp_path / "acc.json"
     other.write_text(json.dumps({"benchmark": "acceptance", "tau": 1.5}))
