@@ -117,10 +117,9 @@ def tau_difference(pairs: list[tuple[str, str]], draws: int = 1000, seed: int = 
     g = torch.Generator().manual_seed(seed)
     boot = torch.tensor([diff(torch.bincount(torch.randint(len(qids), (len(qids),), generator=g),
                                              minlength=len(qids)).double()[q]) for _ in range(draws)])
-    ones = torch.ones(len(q), dtype=torch.float64)
-    return {"tau_before": round(float(b[:, 0].sum() / b[:, 1].sum()), 4),
-            "tau_after": round(float(a[:, 0].sum() / a[:, 1].sum()), 4), "diff": round(diff(ones), 4),
-            "relative": round(diff(ones) / float(b[:, 0].sum() / b[:, 1].sum()), 4),
+    tau_before, tau_after = float(b[:, 0].sum() / b[:, 1].sum()), float(a[:, 0].sum() / a[:, 1].sum())
+    return {"tau_before": round(tau_before, 4), "tau_after": round(tau_after, 4), "diff": round(tau_after - tau_before, 4),
+            "relative": round((tau_after - tau_before) / tau_before, 4),
             "ci95": [round(float(boot.quantile(0.025)), 4), round(float(boot.quantile(0.975)), 4)],
             "questions": len(qids), "turns": len(q), "pairs": len(pairs)}
 

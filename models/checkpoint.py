@@ -60,6 +60,12 @@ def save_draft(head, out_dir, target, resolved_config: str | None = None, metric
     return out
 
 
+def read_metrics(directory) -> dict:
+    """The metrics a head directory was saved with (save_draft's metrics.json; {} when absent)."""
+    path = Path(directory) / "metrics.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def target_for_head(directory, target_path: str | None = None):
     """The target a draft checkpoint was trained for (its recorded name and feature layers); target_path overrides
     where the weights come from."""

@@ -133,7 +133,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from data.features import require_hidden
-    from models.checkpoint import load_draft, save_draft, target_for_head
+    from models.checkpoint import load_draft, read_metrics, save_draft, target_for_head
     from train.trainer import open_features, split_holdout
 
     target = target_for_head(args.head, args.target_path)
@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
         features = split_holdout(features, holdout)[1]
     report = calibrate(head, target, features, args.temperature, args.anchors, limit=args.limit)
     src = Path(args.head)
-    metrics = json.loads((src / "metrics.json").read_text()) if (src / "metrics.json").is_file() else {}
+    metrics = read_metrics(src)
     resolved = (src / "resolved_config.yaml").read_text() if (src / "resolved_config.yaml").is_file() else None
     out = save_draft(head, args.out or src, target, resolved, {**metrics, "calibration": report})
     report["out"] = str(out)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from inference.host_memory import keep_freed_memory
 from inference.sampling import greedy_tokens
-from models.checkpoint import build_draft, head_from_state, load_draft, save_draft
+from models.checkpoint import build_draft, head_from_state, load_draft, read_metrics, save_draft
 from models.draft_vocab import build_draft_vocab, extend_draft_vocab, to_draft_ids, token_counts
 from models.errors import DraftheadsError
 from models.families import family
@@ -535,7 +535,7 @@ def train_draft(cfg, target, features, out_dir, stop_at_step: int | None = None,
     else:
         head = load_draft(start, target)
         if main:
-            save_draft(head, out / "head", target, resolved, metrics or _read_metrics(start))
+            save_draft(head, out / "head", target, resolved, metrics or read_metrics(start))
         accelerator.wait_for_everyone()
     if own_wandb:
         log.wandb_run.finish()
@@ -631,7 +631,7 @@ def _trains_on(stage_dir: Path, ckpt_root: Path, steps: int) -> bool:
     last checkpoint or a later one (an extension killed on the way). Fewer steps than it ran, or no checkpoint from
     its last step on, is an error naming train.steps."""
     newest = newest_checkpoint(ckpt_root)[0]
-    trained = _read_metrics(stage_dir).get("steps", newest or None)
+    trained = read_metrics(stage_dir).get("steps", newest or None)
     if trained is None or trained == steps:
         return False
     check_steps(trained, steps, stage_dir, "train.steps")
@@ -640,11 +640,6 @@ def _trains_on(stage_dir: Path, ckpt_root: Path, steps: int) -> bool:
                               f"its step-{trained} checkpoint is not in '{ckpt_root}'; set train.steps={trained} to "
                               "use the head as it is, or train.resume=false to start over")
     return True
-
-
-def _read_metrics(head_dir) -> dict:
-    path = Path(head_dir) / "metrics.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _initial_head(dc, target, dataset):

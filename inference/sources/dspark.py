@@ -11,11 +11,10 @@ inference/sources/draft_head.py's DraftHeadSource for every other family.
 
 from __future__ import annotations
 
-import json
 import warnings
-from pathlib import Path
 
 from inference.sources import draft_head, path_and_options
+from models.checkpoint import read_metrics
 from models.families import family
 
 
@@ -44,8 +43,5 @@ def head_source(arg: str | None, target):
     if not family(source.head.family_name).confidences:
         return source
     dspark = DSparkSource(source.head, source.name)
-    metrics = Path(path_and_options(arg)[0]) / "metrics.json"
-    if metrics.is_file():
-        calibration = json.loads(metrics.read_text()).get("calibration") or {}
-        dspark.calibrated_at = calibration.get("temperature")
+    dspark.calibrated_at = (read_metrics(path_and_options(arg)[0]).get("calibration") or {}).get("temperature")
     return dspark
